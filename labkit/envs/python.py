@@ -1,0 +1,93 @@
+"""ForagePy: one Forage env in plain Python (lists and ints). The reference implementation."""
+from __future__ import annotations
+
+from .rng import hash_py
+from .spec import (ACTION_DELTAS, CHANNEL_OF, EMPTY, FOOD, N_ACTIONS, N_CHANNELS, POISON, WALL,
+                   ForageSpec, check_int, check_seed)
+
+
+class ForagePy:
+    """One environment: ``reset() -> (obs, info)``, ``step(a) -> (obs, r, term, trunc, info)``.
+
+    ``obs`` is a nested list ``[channel][row][col]`` of floats. ``env_index`` is this env's
+    index in the hash counter, so a list of ForagePy reproduces a vectorized env.
+    """
+
+    def __init__(self, spec: ForageSpec | None = None, seed: int = 0, env_index: int = 0,
+                 final_obs: bool = False) -> None:
+        self.spec = spec if spec is not None else ForageSpec()
+        if not isinstance(self.spec, ForageSpec):
+            raise TypeError(f"spec must be a ForageSpec, got {type(self.spec).__name__}")
+        self.seed = check_seed(seed)
+        self.env_index = check_int("env_index", env_index, 0)
+        self.final_obs = final_obs
+        self.reset()
+
+    def _draw(self, step: int, draw: int) -> int:
+        return hash_py(self.seed, self.env_index, self.episode, step, draw)
+
+    def _place(self, kind: int, step: int, draw: int) -> None:
+        free = [(r, c) for r in range(self.spec.height) for c in range(self.spec.width)
+                if self.grid[r][c] == EMPTY and (r, c) != self.pos]
+        r, c = free[self._draw(step, draw) % len(free)]
+        if kind == -1:
+            self.pos = (r, c)
+        else:
+            self.grid[r][c] = kind
+
+    def _new_episode(self) -> None:
+        s = self.spec
+        self.grid = [[WALL if r in (0, s.height - 1) or c in (0, s.width - 1) else EMPTY
+                      for c in range(s.width)] for r in range(s.height)]
+        self.pos = (-1, -1)
+        kinds = [WALL] * s.n_walls + [-1] + [FOOD] * s.n_food + [POISON] * s.n_poison
+        for draw, kind in enumerate(kinds):
+            self._place(kind, 0, draw)
+        self.t = 0
+        self.episode_return = 0.0
+
+    def reset(self, seed: int | None = None) -> tuple[list, dict]:
+        if seed is not None:
+            self.seed = check_seed(seed)
+        self.episode = 0
+        self._new_episode()
+        return self.observation(), {}
+
+    def observation(self) -> list:
+        s, (ar, ac), rad = self.spec, self.pos, self.spec.radius
+        obs = [[[0.0] * s.view for _ in range(s.view)] for _ in range(N_CHANNELS)]
+        for i in range(s.view):
+            for j in range(s.view):
+                r, c = ar + i - rad, ac + j - rad
+                inside = 0 <= r < s.height and 0 <= c < s.width
+                cell = self.grid[r][c] if inside else WALL
+                if cell != EMPTY:
+                    obs[CHANNEL_OF[cell]][i][j] = 1.0
+        return obs
+
+    def step(self, action: int) -> tuple[list, float, bool, bool, dict]:
+        if isinstance(action, bool) or not isinstance(action, int):
+            raise TypeError(f"action must be an int, got {type(action).__name__}")
+        if not 0 <= action < N_ACTIONS:
+            raise ValueError(f"action must be in [0, {N_ACTIONS}), got {action}")
+        dr, dc = ACTION_DELTAS[action]
+        r, c = self.pos[0] + dr, self.pos[1] + dc
+        if self.grid[r][c] != WALL:
+            self.pos = (r, c)
+        cell = self.grid[r][c] if self.pos == (r, c) else EMPTY
+        reward = 0.0
+        if cell in (FOOD, POISON):
+            reward = 1.0 if cell == FOOD else -1.0
+            self.grid[r][c] = EMPTY
+            self._place(cell, self.t + 1, 0)
+        self.t += 1
+        self.episode_return += reward
+        info: dict = {}
+        truncated = self.t == self.spec.episode_length
+        if truncated:
+            info = {"episode_return": self.episode_return, "episode_length": self.t}
+            if self.final_obs:
+                info["final_observation"] = self.observation()
+            self.episode += 1
+            self._new_episode()
+        return self.observation(), reward, False, truncated, info

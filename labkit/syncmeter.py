@@ -1,0 +1,114 @@
+"""Sync meter: count host reads of tensor data.
+
+A *host read* is any call that needs a tensor's values on the CPU: ``.item()``, ``.cpu()``,
+``.numpy()``, ``.tolist()``, ``bool(t)``, ``int(t)``, ``float(t)``, ``operator.index(t)`` and a
+blocking ``copy_`` from a device tensor into host memory. On a GPU each one is a sync that
+stalls the pipeline; on a CPU it is counted the same way, so a stage's count is the same
+number on both. Counting is per thread: only reads made by the thread that entered the meter
+count (a background logger's reads are off the hot path by design).
+
+On CUDA the meter can also record what ``torch.cuda.set_sync_debug_mode("warn")`` reports
+(``cuda_syncs``), which includes syncs done inside torch ops.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import Counter
+
+import torch
+
+_READS = ("item", "cpu", "numpy", "tolist", "__bool__", "__int__", "__float__", "__index__")
+_lock = threading.Lock()
+_active: list[SyncMeter] = []
+_originals: dict[str, object] = {}
+
+
+def _count(name: str) -> None:
+    tid = threading.get_ident()
+    for meter in _active:
+        if meter._thread == tid:
+            meter.counts[name] += 1
+
+
+def _wrap(name: str, fn):
+    def wrapper(self, *args, **kwargs):
+        _count(name)
+        return fn(self, *args, **kwargs)
+    wrapper.__name__ = getattr(fn, "__name__", name)
+    wrapper.__doc__ = getattr(fn, "__doc__", None)
+    return wrapper
+
+
+def _copy_wrapper(fn):
+    def copy_(self, src, non_blocking=False):
+        if (not non_blocking and self.device.type == "cpu" and isinstance(src, torch.Tensor)
+                and src.device.type != "cpu"):
+            _count("copy_")
+        return fn(self, src, non_blocking)
+    return copy_
+
+
+def _install() -> None:
+    for name in _READS:
+        _originals[name] = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, _wrap(name, _originals[name]))
+    _originals["copy_"] = torch.Tensor.copy_
+    torch.Tensor.copy_ = _copy_wrapper(_originals["copy_"])
+
+
+def _uninstall() -> None:
+    for name, fn in _originals.items():
+        setattr(torch.Tensor, name, fn)
+    _originals.clear()
+
+
+class SyncMeter:
+    """Context manager counting host reads in the current thread.
+
+    >>> with SyncMeter() as m:
+    ...     torch.ones(2).sum().item()
+    >>> m.host_reads
+    1
+    """
+
+    def __init__(self, cuda_debug: bool = False) -> None:
+        self.counts: Counter[str] = Counter()
+        self.cuda_syncs = 0
+        self._cuda_debug = cuda_debug and torch.cuda.is_available()
+        self._thread = threading.get_ident()
+
+    @property
+    def host_reads(self) -> int:
+        return sum(self.counts.values())
+
+    def __enter__(self) -> SyncMeter:
+        self._thread = threading.get_ident()
+        with _lock:
+            if not _active:
+                _install()
+            _active.append(self)
+        if self._cuda_debug:
+            self._warn_ctx = warnings.catch_warnings(record=True)
+            self._caught = self._warn_ctx.__enter__()
+            warnings.simplefilter("always")
+            self._old_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._cuda_debug:
+            torch.cuda.set_sync_debug_mode(self._old_mode)
+            self.cuda_syncs = sum("synchroniz" in str(w.message) for w in self._caught)
+            self._warn_ctx.__exit__(*exc)
+        with _lock:
+            _active.remove(self)
+            if not _active:
+                _uninstall()
+
+
+def count_host_reads(fn, *args, **kwargs) -> tuple[int, object]:
+    """Run ``fn(*args, **kwargs)`` under a meter; return (host reads, result)."""
+    with SyncMeter() as meter:
+        out = fn(*args, **kwargs)
+    return meter.host_reads, out
