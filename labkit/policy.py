@@ -1,0 +1,187 @@
+"""The reference agent: a small conv net with a policy head and a swappable value head.
+
+The architecture is fixed so that FLOP counts and timings compare across stages. The two value
+heads share one interface, so the update calls the same methods whichever head is in use:
+
+* ``forward(h)`` / ``get_training_value(h)``: the value in *training space* (what the value loss
+  sees; normalized for PopArt),
+* ``denormalize(v)``: training space -> return space (what GAE needs),
+* ``prepare_targets(returns)``: return space -> training space,
+* ``update_stats(returns)``: refresh normalization statistics (a no-op for the plain head).
+
+Nothing here reads tensor data on the host: sampling is a Gumbel-max on the device.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from labkit.envs.spec import N_ACTIONS, N_CHANNELS
+
+HIDDEN = 128
+VALUE_HEADS = ("plain", "popart")
+
+
+def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:
+    """Orthogonal weights, constant bias (CleanRL's ``layer_init``)."""
+    nn.init.orthogonal_(layer.weight, std)
+    nn.init.constant_(layer.bias, bias)
+    return layer
+
+
+def check_view(view: object) -> int:
+    if isinstance(view, bool) or not isinstance(view, int) or view < 5:
+        raise ValueError(f"view must be an int >= 5 (two unpadded 3x3 convs), got {view!r}")
+    return view
+
+
+def flops_per_sample(view: int = 7) -> dict[str, int]:
+    """FLOPs of the reference agent per observation.
+
+    Convention: 2 FLOPs per multiply-add of the convolutions and linear layers (policy and value
+    heads included); biases, ReLUs, softmax and the optimizer are not counted. ``train`` is
+    forward + backward, taken as 3x forward (backward = grads w.r.t. inputs + w.r.t. weights).
+    """
+    check_view(view)
+    s1, s2 = view - 2, view - 4
+    macs = (s1 * s1 * 16 * N_CHANNELS * 9      # conv1
+            + s2 * s2 * 32 * 16 * 9            # conv2
+            + 32 * s2 * s2 * HIDDEN            # linear
+            + HIDDEN * N_ACTIONS + HIDDEN)     # policy and value heads
+    return {"forward": 2 * macs, "train": 6 * macs}
+
+
+class ValueHead(nn.Module):
+    """Plain value head: training space is return space."""
+
+    def __init__(self, in_features: int = HIDDEN) -> None:
+        super().__init__()
+        self.linear = layer_init(nn.Linear(in_features, 1), std=1.0)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.linear(h).squeeze(-1)
+
+    def get_training_value(self, h: torch.Tensor) -> torch.Tensor:
+        return self(h)
+
+    def denormalize(self, v: torch.Tensor) -> torch.Tensor:
+        return v
+
+    def prepare_targets(self, returns: torch.Tensor) -> torch.Tensor:
+        return returns
+
+    def update_stats(self, returns: torch.Tensor) -> None:
+        pass
+
+
+class PopArtValueHead(nn.Module):
+    """PopArt value head (van Hasselt et al. 2016; Hessel et al. 2019).
+
+    The linear layer predicts the *normalized* value; ``denormalize`` maps it back with running
+    statistics of the returns. ``update_stats`` moves the statistics and rescales the layer so
+    that the un-normalized outputs are unchanged ("preserving outputs precisely").
+
+    Statistics: running first and second moments, updated once per call with the mean of the
+    batch, weight ``max(1/count, beta)``: an exact running average for the first ``1/beta``
+    calls (so the first batch sets them, without a start-up bias), an EMA afterwards. The update
+    calls this once per PPO iteration over all N*T returns, so ``beta`` is per iteration, larger
+    than the per-SGD-step 3e-4 of Hessel et al.; 0.01 means roughly the last 100 iterations.
+    ``std`` is clamped to ``[min_std, 1e6]``; Forage rewards are +-1, so 1e-2 only guards
+    against near-constant returns blowing up the targets.
+    """
+
+    def __init__(self, in_features: int = HIDDEN, beta: float = 0.01,
+                 min_std: float = 1e-2) -> None:
+        super().__init__()
+        if not 0.0 < beta <= 1.0:
+            raise ValueError(f"beta must be in (0, 1], got {beta}")
+        if not 0.0 < min_std:
+            raise ValueError(f"min_std must be > 0, got {min_std}")
+        self.linear = layer_init(nn.Linear(in_features, 1), std=1.0)
+        self.beta, self.min_std = beta, min_std
+        self.register_buffer("mean", torch.zeros(()))
+        self.register_buffer("mean_sq", torch.ones(()))
+        self.register_buffer("std", torch.ones(()))
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.linear(h).squeeze(-1)
+
+    def get_training_value(self, h: torch.Tensor) -> torch.Tensor:
+        return self(h)
+
+    def denormalize(self, v: torch.Tensor) -> torch.Tensor:
+        return v * self.std + self.mean
+
+    def prepare_targets(self, returns: torch.Tensor) -> torch.Tensor:
+        return (returns - self.mean) / self.std
+
+    @torch.no_grad()
+    def update_stats(self, returns: torch.Tensor) -> None:
+        r = returns.detach().float()
+        self.count += 1
+        w = self.count.reciprocal().clamp(min=self.beta)
+        mean = self.mean.lerp(r.mean(), w)
+        mean_sq = self.mean_sq.lerp(r.square().mean(), w)
+        std = (mean_sq - mean.square()).clamp(min=0).sqrt().clamp(self.min_std, 1e6)
+        # sigma' (W' h + b') + mu' == sigma (W h + b) + mu
+        self.linear.weight.mul_(self.std / std)
+        self.linear.bias.mul_(self.std).add_(self.mean - mean).div_(std)
+        self.mean.copy_(mean)
+        self.mean_sq.copy_(mean_sq)
+        self.std.copy_(std)
+
+
+class Agent(nn.Module):
+    """conv(3->16, 3x3) -> ReLU -> conv(16->32, 3x3) -> ReLU -> flatten -> linear(128) -> ReLU
+    -> policy logits (5) and a value head ("plain" or "popart")."""
+
+    def __init__(self, view: int = 7, value_head: str = "plain") -> None:
+        super().__init__()
+        check_view(view)
+        if value_head not in VALUE_HEADS:
+            raise ValueError(f"value_head must be one of {VALUE_HEADS}, got {value_head!r}")
+        self.view = view
+        self.body = nn.Sequential(
+            layer_init(nn.Conv2d(N_CHANNELS, 16, 3)), nn.ReLU(),
+            layer_init(nn.Conv2d(16, 32, 3)), nn.ReLU(),
+            nn.Flatten(),
+            layer_init(nn.Linear(32 * (view - 4) ** 2, HIDDEN)), nn.ReLU(),
+        )
+        self.actor = layer_init(nn.Linear(HIDDEN, N_ACTIONS), std=0.01)
+        self.value_head = ValueHead(HIDDEN) if value_head == "plain" else PopArtValueHead(HIDDEN)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """obs (B, 3, V, V) -> (logits (B, 5), training-space value (B,))."""
+        h = self.body(obs.float())
+        return self.actor(h), self.value_head(h)
+
+    def get_value(self, obs: torch.Tensor) -> torch.Tensor:
+        """Value in return space (for bootstrapping GAE)."""
+        return self.value_head.denormalize(self.value_head(self.body(obs.float())))
+
+    @torch.no_grad()
+    def act(self, obs: torch.Tensor, generator: torch.Generator | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample actions on the device: (action int64 (B,), logprob (B,), value (B,)).
+
+        The value is in return space (what GAE needs). Gumbel-max, argmax(logp - log E) with
+        E ~ Exp(1), because ``torch.multinomial`` checks its input with a host sync on CUDA.
+        ``generator`` must live on the same device as ``obs``.
+        """
+        logits, value = self(obs)
+        logp = logits.float().log_softmax(-1)
+        noise = torch.empty_like(logp).exponential_(generator=generator)
+        action = (logp - noise.log()).argmax(-1)
+        return action, logp.gather(-1, action[:, None]).squeeze(-1), \
+            self.value_head.denormalize(value)
+
+    def evaluate(self, obs: torch.Tensor, action: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logprob of ``action``, entropy, training-space value), all (B,), with gradients."""
+        logits, value = self(obs)
+        logp = logits.float().log_softmax(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        return logp.gather(-1, action.long()[:, None]).squeeze(-1), entropy, value

@@ -1,0 +1,288 @@
+"""PPO as pure functions: tensors and modules in, tensors out, no host reads.
+
+Shapes: rollout tensors are (T, N) (time, env); the update works on flattened (T*N, ...) batches.
+Nothing here calls ``.item()`` or branches on tensor values, so the pieces can be compiled,
+replayed as CUDA graphs, and metered with :class:`labkit.syncmeter.SyncMeter`.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
+from functools import partial
+
+import torch
+from torch import nn
+
+from labkit.envs.spec import check_int
+
+
+@dataclass
+class PPOConfig:
+    """PPO hyperparameters (CleanRL's defaults for Atari-like discrete control)."""
+
+    gamma: float = 0.99
+    """Discount factor, in [0, 1]."""
+    gae_lambda: float = 0.95
+    """GAE lambda, in [0, 1]."""
+    update_epochs: int = 4
+    """Passes over the rollout per update."""
+    n_minibatches: int = 4
+    """Minibatches per epoch; must divide n_envs * n_steps."""
+    clip_coef: float = 0.2
+    """Clipping range of the probability ratio (and of the value change when clip_vloss)."""
+    vf_coef: float = 0.5
+    """Weight of the value loss (>= 0)."""
+    ent_coef: float = 0.01
+    """Weight of the entropy bonus (>= 0)."""
+    lr: float = 2.5e-4
+    """Adam learning rate at the start (annealed linearly to 0 when anneal_lr)."""
+    adam_eps: float = 1e-5
+    """Adam epsilon."""
+    max_grad_norm: float = 0.5
+    """Global gradient-norm clip."""
+    anneal_lr: bool = True
+    """Anneal the learning rate linearly to 0 over the run."""
+    norm_adv: bool = True
+    """Normalize advantages per minibatch."""
+    clip_vloss: bool = True
+    """Use the clipped value loss."""
+
+    def __post_init__(self) -> None:
+        for name in ("gamma", "gae_lambda"):
+            _check_float(name, getattr(self, name), 0.0, "in [0, 1]", high=1.0)
+        for name in ("clip_coef", "lr", "adam_eps", "max_grad_norm"):
+            _check_float(name, getattr(self, name), 0.0, "> 0", strict=True)
+        for name in ("vf_coef", "ent_coef"):
+            _check_float(name, getattr(self, name), 0.0, ">= 0")
+        check_int("update_epochs", self.update_epochs, 1)
+        check_int("n_minibatches", self.n_minibatches, 1)
+        for f in fields(self):
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
+
+    def check_batch(self, n_envs: int, n_steps: int) -> int:
+        """Return the minibatch size; raise if n_minibatches does not divide n_envs * n_steps."""
+        batch = n_envs * n_steps
+        if batch % self.n_minibatches:
+            raise ValueError(f"n_minibatches must divide n_envs * n_steps = {batch}, "
+                             f"got n_minibatches={self.n_minibatches}")
+        return batch // self.n_minibatches
+
+
+def _check_float(name: str, value: object, low: float, allowed: str, high: float | None = None,
+                 strict: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
+    if value != value or value < low or (strict and value == low) or (
+            high is not None and value > high):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class Batch:
+    """One rollout flattened to (T*N, ...): what the update consumes.
+
+    ``returns`` and ``values`` are in return space (not normalized); the value head maps them to
+    its training space inside the loss.
+    """
+
+    obs: torch.Tensor
+    actions: torch.Tensor
+    logprobs: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def from_rollout(cls, obs: torch.Tensor, actions: torch.Tensor, logprobs: torch.Tensor,
+                     advantages: torch.Tensor, returns: torch.Tensor, values: torch.Tensor
+                     ) -> Batch:
+        """Flatten (T, N, ...) rollout tensors."""
+        return cls(obs.flatten(0, 1), actions.flatten(0, 1), logprobs.flatten(0, 1),
+                   advantages.flatten(0, 1), returns.flatten(0, 1), values.flatten(0, 1))
+
+    def index(self, idx: torch.Tensor) -> Batch:
+        """The rows ``idx`` of every field (a minibatch)."""
+        return Batch(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor,
+        next_value: torch.Tensor, next_done: torch.Tensor, gamma: float, lam: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation; returns (advantages, returns), both (T, N).
+
+    CleanRL's convention: ``dones[t]`` is the done flag that came *with obs t*, i.e. obs t is
+    the first of a new episode (the env reset in the step before), so there is no bootstrap
+    from step t-1 into step t. ``next_value``/``next_done`` (N,) belong to the observation after
+    the last step. Forage episodes end by truncation only; we treat truncation like termination
+    (no bootstrap across the boundary). That biases values near the time limit slightly, the
+    same simplification CleanRL makes, and keeps every implementation comparable.
+    """
+    dones = dones.to(rewards.dtype)
+    next_values = torch.cat([values[1:], next_value[None]])
+    next_nonterminal = 1.0 - torch.cat([dones[1:], next_done.to(rewards.dtype)[None]])
+    deltas = rewards + gamma * next_values * next_nonterminal - values
+    decay = gamma * lam * next_nonterminal
+    last = torch.zeros_like(next_value, dtype=rewards.dtype)
+    advantages = []
+    for t in range(rewards.shape[0] - 1, -1, -1):
+        last = deltas[t] + decay[t] * last
+        advantages.append(last)
+    advantages = torch.stack(advantages[::-1])
+    return advantages, advantages + values
+
+
+def ppo_loss(agent: nn.Module, obs: torch.Tensor, actions: torch.Tensor,
+             old_logprobs: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
+             old_values: torch.Tensor, cfg: PPOConfig
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped PPO loss on one minibatch; (loss, stats of 0-d tensors).
+
+    ``returns`` and ``old_values`` are in return space; the value loss is taken in the value
+    head's training space (``agent.value_head.prepare_targets``).
+    """
+    logprob, entropy, value = agent.evaluate(obs, actions)
+    logratio = logprob - old_logprobs
+    ratio = logratio.exp()
+    with torch.no_grad():
+        approx_kl = ((ratio - 1) - logratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > cfg.clip_coef).float().mean()
+
+    if cfg.norm_adv:
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    pg_loss = torch.max(-advantages * ratio,
+                        -advantages * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)).mean()
+
+    head = agent.value_head
+    targets = head.prepare_targets(returns)
+    if cfg.clip_vloss:
+        old = head.prepare_targets(old_values)
+        clipped = old + (value - old).clamp(-cfg.clip_coef, cfg.clip_coef)
+        v_loss = 0.5 * torch.max((value - targets) ** 2, (clipped - targets) ** 2).mean()
+    else:
+        v_loss = 0.5 * ((value - targets) ** 2).mean()
+    entropy = entropy.mean()
+    loss = pg_loss - cfg.ent_coef * entropy + cfg.vf_coef * v_loss
+    return loss, {"pg_loss": pg_loss.detach(), "v_loss": v_loss.detach(),
+                  "entropy": entropy.detach(), "approx_kl": approx_kl, "clipfrac": clipfrac}
+
+
+@torch.no_grad()
+def fused_clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (L2) for parameters on one device, without host sync.
+
+    One ``_foreach_norm`` and one ``_foreach_mul_``; the clip coefficient stays a tensor, and
+    the grads are always multiplied (by 1 when not clipping) instead of branching on the norm.
+    Returns the total norm before clipping.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, coef)
+    return total
+
+
+def minibatch_step(agent: nn.Module, optimizer: torch.optim.Optimizer, mb: Batch,
+                   cfg: PPOConfig,
+                   clip_grad: Callable[[Iterable[torch.Tensor], float], torch.Tensor]
+                   = fused_clip_grad_norm_,
+                   autocast: Callable[[], contextlib.AbstractContextManager]
+                   = contextlib.nullcontext,
+                   scaler: torch.amp.GradScaler | None = None) -> dict[str, torch.Tensor]:
+    """One Adam step on one minibatch: loss, backward, grad clip, optimizer step.
+
+    ``autocast`` wraps the forward and loss only (e.g. ``lambda: torch.autocast("cuda",
+    torch.bfloat16)``); ``scaler`` (fp16 only) scales the loss and unscales before clipping.
+    Returns the loss stats and ``grad_norm`` (before clipping) as 0-d tensors.
+    """
+    with autocast():
+        loss, stats = ppo_loss(agent, mb.obs, mb.actions, mb.logprobs, mb.advantages,
+                               mb.returns, mb.values, cfg)
+    optimizer.zero_grad(set_to_none=True)
+    params = [p for p in agent.parameters() if p.requires_grad]
+    if scaler is None:
+        loss.backward()
+        stats["grad_norm"] = clip_grad(params, cfg.max_grad_norm)
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        stats["grad_norm"] = clip_grad(params, cfg.max_grad_norm)
+        scaler.step(optimizer)  # reads found-inf on the host: fp16's price
+        scaler.update()
+    return stats
+
+
+def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch | Mapping,
+               cfg: PPOConfig, generator: torch.Generator | None = None,
+               clip_grad: Callable[[Iterable[torch.Tensor], float], torch.Tensor]
+               = fused_clip_grad_norm_,
+               autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+               step: Callable[[Batch], dict[str, torch.Tensor]] | None = None,
+               ) -> dict[str, torch.Tensor]:
+    """``cfg.update_epochs`` epochs x ``cfg.n_minibatches`` minibatches of Adam steps.
+
+    Order: first ``agent.value_head.update_stats(batch.returns)`` (PopArt moves its statistics
+    and rescales its layer, preserving outputs), then the epochs; each minibatch maps returns
+    and old values to training space with the updated statistics. Minibatches are shuffled with
+    ``torch.randperm`` on the batch's device (``generator``, on that device, for determinism).
+    ``step`` runs one minibatch (default: :func:`minibatch_step` with ``clip_grad`` and
+    ``autocast``); the ladder swaps in a compiled or CUDA-graphed one. Returns the means over
+    all minibatches of the loss stats and ``grad_norm`` (before clipping), as 0-d tensors.
+    """
+    if isinstance(batch, Mapping):
+        batch = Batch(**batch)
+    if step is None:
+        step = partial(minibatch_step, agent, optimizer, cfg=cfg, clip_grad=clip_grad,
+                       autocast=autocast)
+    n = batch.obs.shape[0]
+    mb = cfg.check_batch(n, 1)
+    agent.value_head.update_stats(batch.returns)
+    history: list[dict[str, torch.Tensor]] = []
+    for _ in range(cfg.update_epochs):
+        perm = torch.randperm(n, device=batch.obs.device, generator=generator)
+        for start in range(0, n, mb):
+            history.append(step(batch.index(perm[start:start + mb])))
+    return {k: torch.stack([s[k] for s in history]).mean() for k in history[0]}
+
+
+def make_optimizer(agent: nn.Module, cfg: PPOConfig, fused: bool = False,
+                   capturable: bool = False) -> torch.optim.Adam:
+    """Adam(lr, eps). With ``fused`` or ``capturable`` the LR is a 0-d tensor on the parameters'
+    device, so ``set_lr`` updates it in place and compiled code / CUDA graphs see the new value;
+    otherwise it is a float (torch's default Adam does not take a tensor LR on its fast paths).
+    """
+    device = next(agent.parameters()).device
+    if capturable and not fused and device.type == "cpu":
+        raise ValueError("capturable=True needs CUDA parameters (or fused=True); "
+                         f"parameters are on {device}")
+    lr: float | torch.Tensor = cfg.lr
+    if fused or capturable:
+        lr = torch.tensor(cfg.lr, dtype=torch.float32, device=device)
+    return torch.optim.Adam(agent.parameters(), lr=lr, eps=cfg.adam_eps, fused=fused or None,
+                            capturable=capturable)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float | torch.Tensor) -> None:
+    """Set the LR of every param group; a tensor LR is updated in place (no new tensor)."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor) and isinstance(lr, torch.Tensor):
+            group["lr"].copy_(lr)
+        elif isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)  # a kernel argument, not a host-to-device copy
+        else:
+            # Deliberate host read when a device-tensor LR meets a float-LR optimizer.
+            group["lr"] = float(lr)
+
+
+def anneal_lr(optimizer: torch.optim.Optimizer, base_lr: float,
+              iteration: int | torch.Tensor, n_iterations: int) -> float | torch.Tensor:
+    """Linear annealing: ``lr = base_lr * (1 - iteration / n_iterations)`` with 0-based
+    ``iteration`` (CleanRL's schedule), set with :func:`set_lr`; returns the LR.
+    ``iteration`` may be a device tensor (a step counter inside a CUDA graph)."""
+    lr = base_lr * (1.0 - iteration / n_iterations)
+    set_lr(optimizer, lr)
+    return lr
