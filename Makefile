@@ -1,0 +1,46 @@
+# labkit: the README's commands. Each target creates the virtual environment it needs.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+# Without a GPU we install the CPU wheel of torch (~200 MB), never the CUDA build (several GB).
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
+STAMP := $(VENV)/.labkit-installed
+
+.PHONY: ladder test lab bench-env train lint clean
+
+ladder: $(STAMP)  ## the main job: the ladder on the best device, table + JSON + PNG in results/
+	$(BIN)/python -m labkit ladder --out results
+
+test: $(STAMP)  ## unit tests + every notebook under nbval
+	$(BIN)/python -m pytest --nbval --nbval-current-env \
+	    --nbval-sanitize-with tests/nbval_sanitize.cfg tests notebooks
+
+lab: $(STAMP)  ## JupyterLab on the notebooks
+	$(BIN)/jupyter lab notebooks
+
+bench-env: $(STAMP)
+	$(BIN)/python -m labkit bench-env --out results
+
+train: $(STAMP)
+	$(BIN)/python -m labkit train --out runs/train
+
+lint: $(STAMP)
+	$(BIN)/ruff check labkit tests
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+ifeq ($(HAS_GPU),yes)
+	$(BIN)/pip install "torch==$(TORCH_VERSION)"
+else
+	# A CPU wheel already known to pip (its find-links or cache) is used as is; else the CPU index.
+	$(BIN)/pip install --no-index --no-deps "torch==$(TORCH_VERSION)" 2>/dev/null || \
+	    $(BIN)/pip install "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX) \
+	    --extra-index-url https://pypi.org/simple
+endif
+	$(BIN)/pip install -e ".[dev,notebooks]"
+	touch $@
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
