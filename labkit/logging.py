@@ -1,0 +1,250 @@
+"""Metric loggers writing JSON lines: one ``{"step": ..., **values}`` dict per line.
+
+``SyncLogger`` reads every tensor value in the calling thread (``.item()``/``.tolist()``): one
+host sync per value, per step, which is the stage-3 bottleneck. ``AsyncLogger`` moves the read
+off the hot path (stage 4): ``log`` only snapshots tensors (non-blocking copies into pinned host
+memory on CUDA, a clone on CPU) and queues them; a background thread waits for the copies,
+converts them to numbers and writes. Both share the interface ``log(step, **values)``,
+``flush()``, ``close()`` and the context-manager protocol, so a stage swaps one for the other.
+
+Values are Python numbers (``bool``, ``int``, ``float``, NumPy scalars) or 0-d/1-d tensors on
+any device; a 0-d tensor is written as a number, a 1-d tensor as a list.
+"""
+from __future__ import annotations
+
+import json
+import numbers
+import os
+import queue
+import threading
+import weakref
+from pathlib import Path
+from typing import IO, Protocol
+
+import torch
+
+Value = int | float | bool | torch.Tensor
+Target = str | os.PathLike | IO[str]
+
+_STOP = object()
+_FLUSH = object()
+
+
+class Logger(Protocol):
+    def log(self, step: int, **values: Value) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Logger: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+
+def _open(target: Target, mode: str) -> tuple[IO[str], bool]:
+    """Return (stream, owned): a path is opened (and later closed) here, a stream is not."""
+    if isinstance(target, (str, os.PathLike)):
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        return open(target, mode, encoding="utf-8"), True
+    if callable(getattr(target, "write", None)):
+        return target, False
+    raise TypeError(f"target must be a path or a text stream, got {type(target).__name__}")
+
+
+def _check(key: str, value: object) -> object:
+    """Validate one value without reading tensor data; NumPy scalars become Python numbers."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim > 1:
+            raise ValueError(f"{key}: expected a 0-d or 1-d tensor, got shape {tuple(value.shape)}")
+        return value.detach()
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"{key}: expected a number or a tensor, got {type(value).__name__}")
+
+
+def _to_python(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.ndim == 0 else value.tolist()
+    return value
+
+
+def _close_stream(stream: IO[str], owned: bool) -> None:
+    if owned:
+        stream.close()
+    else:
+        stream.flush()
+
+
+class _LoggerBase:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class SyncLogger(_LoggerBase):
+    """Write each record immediately: one host read per tensor value (the stage-3 way)."""
+
+    def __init__(self, target: Target, mode: str = "w") -> None:
+        self._stream, owned = _open(target, mode)
+        # Closes (or flushes) the stream at garbage collection or interpreter exit.
+        self._finalizer = weakref.finalize(self, _close_stream, self._stream, owned)
+
+    def log(self, step: int, **values: Value) -> None:
+        if not self._finalizer.alive:
+            raise ValueError("log() on a closed SyncLogger")
+        record = {"step": step}
+        for key, value in values.items():
+            record[key] = _to_python(_check(key, value))  # host sync per tensor value
+        self._stream.write(json.dumps(record) + "\n")
+
+    def flush(self) -> None:
+        if self._finalizer.alive:
+            self._stream.flush()
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+class _Writer:
+    """The background thread and its queue. Holds no reference to the AsyncLogger, so an
+    unclosed logger can still be garbage-collected (its finalizer then drains this writer)."""
+
+    def __init__(self, stream: IO[str], owned: bool, max_queue: int) -> None:
+        self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.stream = stream
+        self.owned = owned
+        self.error: BaseException | None = None
+        self.orphaned = False
+        self.thread = threading.Thread(target=self._run, name="labkit-async-logger", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            try:
+                if item is _STOP:
+                    return
+                # After a failure keep consuming (and dropping) so a blocked producer never hangs.
+                if self.error is None:
+                    self._handle(item)
+            except Exception as exc:
+                self.error = exc
+            finally:
+                self.queue.task_done()
+            if self.orphaned and self.queue.empty():
+                self._close_stream()
+                return
+
+    def _handle(self, item: object) -> None:
+        if item is _FLUSH:
+            self.stream.flush()
+            return
+        step, values, events = item
+        for event in events:
+            event.synchronize()  # the D2H copies of this record have landed in pinned memory
+        record = {"step": step, **{k: _to_python(v) for k, v in values.items()}}
+        self.stream.write(json.dumps(record) + "\n")
+        if self.queue.empty():  # idle: make the file current for readers tailing it
+            self.stream.flush()
+
+    def shutdown(self) -> None:
+        """Write everything queued, stop the thread, close (or flush) the stream."""
+        if threading.current_thread() is self.thread:
+            # A garbage collection on this thread collected the logger: nobody can log any
+            # more, and joining ourselves (or a put on a full queue) would hang, so the loop
+            # drains what is queued and then stops.
+            self.orphaned = True
+            return
+        self.queue.put(_FLUSH)
+        self.queue.put(_STOP)
+        self.thread.join()
+        self._close_stream()
+
+    def _close_stream(self) -> None:
+        try:
+            _close_stream(self.stream, self.owned)
+        except Exception as exc:
+            if self.error is None:
+                self.error = exc
+
+
+class AsyncLogger(_LoggerBase):
+    """Log without host syncs in the calling thread; a daemon thread does the reads and writes.
+
+    ``log`` snapshots tensor values (CUDA: ``copy_(non_blocking=True)`` into pinned host buffers,
+    then one CUDA event per device that the writer waits on; CPU: a clone, so later in-place
+    updates by the caller do not change what is logged) and puts the record on a bounded queue.
+    When ``max_queue`` records are waiting, ``log`` blocks until the writer catches up: this
+    backpressure keeps memory (queued records and their pinned buffers) bounded when the
+    writer is slower than the training loop.
+
+    ``close()`` writes every queued record, then stops the thread; it is idempotent, and also
+    runs when the logger leaves a ``with`` block (exception or not), when it is
+    garbage-collected, and at interpreter exit (a ``weakref.finalize``, which does not keep the
+    logger alive). If the writer fails, the next ``log``/``flush``/``close`` raises a
+    ``RuntimeError`` chained from the writer's exception; records after the failure are lost.
+    """
+
+    def __init__(self, target: Target, max_queue: int = 1024, mode: str = "w") -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        stream, owned = _open(target, mode)
+        self.max_queue = max_queue
+        self._writer = _Writer(stream, owned, max_queue)
+        self._finalizer = weakref.finalize(self, self._writer.shutdown)
+        self._error_raised = False
+
+    @property
+    def pending(self) -> int:
+        """Items waiting in the queue (never more than ``max_queue``)."""
+        return self._writer.queue.qsize()
+
+    def log(self, step: int, **values: Value) -> None:
+        self._raise_writer_error()
+        if not self._finalizer.alive:
+            raise ValueError("log() on a closed AsyncLogger")
+        snapshot: dict[str, object] = {}
+        cuda_devices: set[torch.device] = set()
+        for key, value in values.items():
+            value = _check(key, value)
+            if isinstance(value, torch.Tensor):
+                if value.is_cuda:
+                    staging = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                    staging.copy_(value, non_blocking=True)
+                    cuda_devices.add(value.device)
+                    value = staging
+                else:  # a clone on CPU; other accelerators (MPS, XPU) copy synchronously
+                    value = value.to("cpu", copy=True)
+            snapshot[key] = value
+        events = []
+        for device in cuda_devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        self._writer.queue.put((step, snapshot, events))  # blocks while the queue is full
+
+    def flush(self) -> None:
+        """Block until every record logged so far is written and the stream is flushed."""
+        self._raise_writer_error()
+        if not self._finalizer.alive:
+            return
+        self._writer.queue.put(_FLUSH)
+        self._writer.queue.join()
+        self._raise_writer_error()
+
+    def close(self) -> None:
+        self._finalizer()
+        self._raise_writer_error()
+
+    def _raise_writer_error(self) -> None:
+        error = self._writer.error
+        if error is not None and not self._error_raised:
+            self._error_raised = True
+            self._finalizer()
+            raise RuntimeError(f"AsyncLogger writer thread failed: {error!r}") from error

@@ -1,0 +1,91 @@
+"""Episode statistics: the eager host-side way and the device-side way (stage 6).
+
+Both take, every env step, what the envs put in ``info``: ``done`` bool (N,), ``episode_return``
+float32 (N,) (0 where not done) and ``episode_length`` int64 (N,), and both return the same
+``summary()`` dict, then start a new window:
+``episodes``, ``mean_return``, ``std_return``, ``min_return``, ``max_return``, ``mean_length``
+(NaN for the statistics when no episode finished).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _summarize(count: float, sum_return: float, sum_sq_return: float, sum_length: float,
+               min_return: float, max_return: float) -> dict[str, float]:
+    if count == 0:
+        nan = math.nan
+        return {"episodes": 0, "mean_return": nan, "std_return": nan, "min_return": nan,
+                "max_return": nan, "mean_length": nan}
+    mean = sum_return / count
+    var = max(sum_sq_return / count - mean * mean, 0.0)
+    return {"episodes": int(count), "mean_return": mean, "std_return": math.sqrt(var),
+            "min_return": min_return, "max_return": max_return,
+            "mean_length": sum_length / count}
+
+
+class EagerEpisodeStats:
+    """Reference: copy finished episodes to Python lists every step (host syncs every step)."""
+
+    def __init__(self) -> None:
+        self.returns: list[float] = []
+        self.lengths: list[int] = []
+
+    def update(self, done: torch.Tensor, episode_return: torch.Tensor,
+               episode_length: torch.Tensor) -> None:
+        if not done.any():  # host sync
+            return
+        self.returns.extend(episode_return[done].tolist())  # host sync
+        self.lengths.extend(episode_length[done].tolist())  # host sync
+
+    def summary(self) -> dict[str, float]:
+        r = self.returns
+        stats = _summarize(len(r), sum(r), sum(x * x for x in r), sum(self.lengths),
+                           min(r, default=math.nan), max(r, default=math.nan))
+        self.reset()
+        return stats
+
+    def reset(self) -> None:
+        self.returns, self.lengths = [], []
+
+
+class DeviceEpisodeStats:
+    """Aggregate on the device with masked reductions: no host read in ``update``, one in
+    ``summary``. Fixed memory: six accumulators, whatever the number of episodes.
+
+    Accumulators are float64 so sums of many float32 returns do not lose precision (and
+    counts stay exact); the cost is a handful of scalar ops per step.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        f64 = torch.float64
+        # count, sum of returns, sum of squared returns, sum of lengths
+        self._sums = torch.zeros(4, dtype=f64, device=self.device)
+        self._min = torch.full((), math.inf, dtype=f64, device=self.device)
+        self._max = torch.full((), -math.inf, dtype=f64, device=self.device)
+
+    def update(self, done: torch.Tensor, episode_return: torch.Tensor,
+               episode_length: torch.Tensor) -> None:
+        if done.dtype != torch.bool:
+            raise TypeError(f"done must be a bool tensor, got {done.dtype}")
+        ret = torch.where(done, episode_return.to(torch.float64), 0.0)
+        length = torch.where(done, episode_length.to(torch.float64), 0.0)
+        count = done.sum(dtype=torch.float64)
+        self._sums.add_(torch.stack((count, ret.sum(), ret.square().sum(), length.sum())))
+        # In place, so the accumulators keep their storage (CUDA-graph friendly).
+        torch.minimum(self._min, torch.where(done, ret, math.inf).amin(), out=self._min)
+        torch.maximum(self._max, torch.where(done, ret, -math.inf).amax(), out=self._max)
+
+    def summary(self) -> dict[str, float]:
+        stacked = torch.cat((self._sums, self._min.view(1), self._max.view(1)))
+        values = stacked.tolist()  # the single deliberate host sync per update
+        self.reset()
+        return _summarize(*values)
+
+    def reset(self) -> None:
+        self._sums.zero_()
+        self._min.fill_(math.inf)
+        self._max.fill_(-math.inf)
