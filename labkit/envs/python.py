@@ -2,8 +2,19 @@
 from __future__ import annotations
 
 from .rng import hash_py
-from .spec import (ACTION_DELTAS, CHANNEL_OF, EMPTY, FOOD, N_ACTIONS, N_CHANNELS, POISON, WALL,
-                   ForageSpec, check_int, check_seed)
+from .spec import (
+    ACTION_DELTAS,
+    CHANNEL_OF,
+    EMPTY,
+    FOOD,
+    N_ACTIONS,
+    N_CHANNELS,
+    POISON,
+    WALL,
+    ForageSpec,
+    check_int,
+    check_seed,
+)
 
 
 class ForagePy:

@@ -1,0 +1,139 @@
+"""Env-steps per second of the four Forage implementations with random actions."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ..device import device_name, resolve_device, synchronize
+from .numpy import ForageNumpy
+from .python import ForagePy
+from .spec import N_ACTIONS, ForageSpec, check_int
+from .torch import ForageTorch
+from .torch_loop import ForageTorchLoop
+
+IMPLS = ("ForagePy", "ForageNumpy", "ForageTorchLoop", "ForageTorch")
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _time(step: Callable[[int], None], steps: int, warmup: int, repeats: int,
+          device: torch.device) -> list[float]:
+    """Seconds per repeat of ``steps`` calls of ``step(i)``, after ``warmup`` untimed calls."""
+    for i in range(warmup):
+        step(i)
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        synchronize(device)  # the only sync: before reading the clock
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _runners(spec: ForageSpec, device: torch.device, sizes: dict[str, int], n_actions: int,
+             seed: int) -> dict[str, tuple[int, Callable[[int], None]]]:
+    """Per implementation: (n_envs, step(i)) with the actions drawn beforehand."""
+    rng = np.random.default_rng(seed)
+    runners = {}
+
+    n = sizes["ForagePy"]
+    envs = [ForagePy(spec, seed=seed, env_index=i) for i in range(n)]
+    py_actions = rng.integers(0, N_ACTIONS, (n_actions, n)).tolist()
+
+    def step_py(i: int) -> None:
+        for env, a in zip(envs, py_actions[i % n_actions], strict=True):
+            env.step(a)
+    runners["ForagePy"] = (n, step_py)
+
+    n = sizes["ForageNumpy"]
+    np_env = ForageNumpy(n, spec, seed=seed)
+    np_actions = rng.integers(0, N_ACTIONS, (n_actions, n))
+    runners["ForageNumpy"] = (n, lambda i: np_env.step(np_actions[i % n_actions]))
+
+    for cls in (ForageTorchLoop, ForageTorch):
+        n = sizes[cls.__name__]
+        env = cls(n, spec, seed=seed, device=device)
+        gen = torch.Generator(device).manual_seed(seed)
+        actions = torch.randint(0, N_ACTIONS, (n_actions, n), generator=gen, device=device)
+        runners[cls.__name__] = (n, lambda i, env=env, actions=actions:
+                                 env.step(actions[i % n_actions]))
+    return runners
+
+
+def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
+               spec: ForageSpec | None = None, sizes: dict[str, int] | None = None,
+               steps: dict[str, int] | None = None, warmup: int = 10, seed: int = 0) -> dict:
+    """Median env-steps/s over ``repeats`` timed runs per implementation, warmup excluded.
+
+    ``sizes`` / ``steps`` override the number of envs / timed steps per repeat of each
+    implementation (keys: ForagePy, ForageNumpy, ForageTorchLoop, ForageTorch); by default
+    one episode (``spec.episode_length`` steps) per repeat, 32 steps for ForageTorch on a CPU."""
+    dev = resolve_device(device)
+    check_int("repeats", repeats, 1)
+    check_int("warmup", warmup, 0)
+    spec = spec if spec is not None else ForageSpec()
+    cuda = dev.type == "cuda"
+    sizes = {"ForagePy": 16, "ForageNumpy": 1024, "ForageTorchLoop": 16,
+             "ForageTorch": 65536 if cuda else 4096, **(sizes or {})}
+    # Whole episodes per repeat, so each timed repeat holds the same share of resets; ForageTorch
+    # does the reset work on every step (branch-free), so fewer steps are as fair on the CPU.
+    steps = {**dict.fromkeys(sizes, spec.episode_length),
+             "ForageTorch": spec.episode_length if cuda else 32, **(steps or {})}
+    for name in {**sizes, **steps}:
+        if name not in IMPLS:
+            raise ValueError(f"sizes and steps keys must be among {IMPLS}, got {name!r}")
+        check_int(f"sizes[{name!r}]", sizes[name], 1)
+        check_int(f"steps[{name!r}]", steps[name], 1)
+    runners = _runners(spec, dev, sizes, max(steps.values()) + warmup, seed)
+
+    rows = []
+    for impl, (n, step) in runners.items():
+        seconds = _time(step, steps[impl], warmup, repeats, dev)
+        rows.append({"impl": impl, "n_envs": n,
+                     "steps_per_s": n * steps[impl] / statistics.median(seconds)})
+    py = rows[0]["steps_per_s"]
+    for row in rows:
+        row["ratio_vs_py"] = row["steps_per_s"] / py
+    return {
+        "rows": rows,
+        "device": str(dev),
+        "device_name": device_name(dev),
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "repeats": repeats,
+        "warmup_steps": warmup,
+        "timed_steps": steps,
+        "spec": vars(spec),
+    }
+
+
+def format_table(result: dict) -> str:
+    """The rows of ``bench_envs`` as a fixed-width text table with a one-line header."""
+    lines = [f"Forage env-steps/s on {result['device']} ({result['device_name']}), "
+             f"torch {result['torch_version']}, median of {result['repeats']}",
+             f"{'impl':<16}{'n_envs':>8}{'steps/s':>14}{'vs ForagePy':>13}"]
+    for row in result["rows"]:
+        lines.append(f"{row['impl']:<16}{row['n_envs']:>8}{row['steps_per_s']:>14,.0f}"
+                     f"{row['ratio_vs_py']:>12.1f}x")
+    return "\n".join(lines)

@@ -1,0 +1,182 @@
+"""ForageNumpy: N Forage envs vectorized with NumPy, bit-exact with ForagePy.
+
+The vectorized versions keep each grid flat and padded with walls by ``view // 2`` on every
+side, so the agent's position is one flat index, a move is an addition and the observation
+window is a single gather. ``Layout`` holds those index tables; ForageTorch uses the same one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .rng import hash_np
+from .spec import (
+    ACTION_DELTAS,
+    EMPTY,
+    FOOD,
+    N_ACTIONS,
+    POISON,
+    WALL,
+    ForageSpec,
+    check_n_envs,
+    check_seed,
+)
+
+AGENT = -1
+"""Marks the reset draw that places the agent rather than a cell kind."""
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Flat index tables for a spec's wall-padded grid (row-major, ``rows x cols``)."""
+
+    rows: int
+    cols: int
+    base: np.ndarray
+    """(rows*cols,) int8: WALL on the border and the padding, EMPTY inside."""
+    cells: np.ndarray
+    """(interior,) int64 flat indices of the interior cells, in row-major order."""
+    window: np.ndarray
+    """(view*view,) int64 offsets of the observation window from the agent's flat index."""
+    deltas: np.ndarray
+    """(N_ACTIONS,) int64 flat offset of each action."""
+    channel_kinds: np.ndarray
+    """(3,) int8 cell kind shown by each observation channel (wall, food, poison)."""
+    placements: tuple[int, ...]
+    """Kind placed by each reset draw; AGENT for the agent."""
+
+    @classmethod
+    def of(cls, spec: ForageSpec) -> Layout:
+        pad, v = spec.radius, spec.view
+        rows, cols = spec.height + 2 * pad, spec.width + 2 * pad
+        base = np.full((rows, cols), WALL, dtype=np.int8)
+        base[pad + 1:pad + spec.height - 1, pad + 1:pad + spec.width - 1] = EMPTY
+        r, c = np.meshgrid(np.arange(1, spec.height - 1), np.arange(1, spec.width - 1),
+                           indexing="ij")
+        cells = ((r + pad) * cols + c + pad).ravel()
+        i, j = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
+        window = ((i - pad) * cols + j - pad).ravel()
+        deltas = np.array([dr * cols + dc for dr, dc in ACTION_DELTAS], dtype=np.int64)
+        kinds = ([WALL] * spec.n_walls + [AGENT] + [FOOD] * spec.n_food
+                 + [POISON] * spec.n_poison)
+        return cls(rows, cols, base.ravel(), cells.astype(np.int64), window.astype(np.int64),
+                   deltas, np.array([WALL, FOOD, POISON], dtype=np.int8), tuple(kinds))
+
+
+def kth_free(free: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Column of the k-th (0-based) True in each row of ``free`` (len(row) where k >= count)."""
+    return (free.cumsum(1) <= k[:, None]).sum(1)
+
+
+class ForageNumpy:
+    """``n_envs`` Forage envs; env ``i`` uses hash counter env index ``i``.
+
+    ``reset() -> (obs, info)``, ``step(actions) -> (obs, reward, terminated, truncated, info)``
+    with obs float32 (N, 3, V, V), reward float32 (N,), terminated/truncated bool (N,) and
+    info ``episode_return`` float32 / ``episode_length`` int64 (0 where no episode ended), plus
+    ``final_observation`` when ``final_obs`` is set.
+    """
+
+    def __init__(self, n_envs: int, spec: ForageSpec | None = None, seed: int = 0,
+                 final_obs: bool = False) -> None:
+        self.n_envs = check_n_envs(n_envs)
+        self.spec = spec if spec is not None else ForageSpec()
+        if not isinstance(self.spec, ForageSpec):
+            raise TypeError(f"spec must be a ForageSpec, got {type(self.spec).__name__}")
+        self.seed = check_seed(seed)
+        self.final_obs = bool(final_obs)
+        self.layout = Layout.of(self.spec)
+        self.env_index = np.arange(self.n_envs, dtype=np.int64)
+        self.reset()
+
+    def _free_cell(self, grid: np.ndarray, pos: np.ndarray, episode: np.ndarray,
+                   step: np.ndarray) -> np.ndarray:
+        """Flat index of the k-th free cell of every env (k from the hash), branch-free.
+
+        Envs with no free cell get an arbitrary valid index; callers mask them out."""
+        cells = self.layout.cells
+        free = (grid[:, cells] == EMPTY) & (cells != pos[:, None])
+        count = np.maximum(free.sum(1), 1).astype(np.uint64)
+        k = (hash_np(self.seed, self.env_index, episode, step, 0) % count).astype(np.int64)
+        return cells[np.minimum(kth_free(free, k), len(cells) - 1)]
+
+    def _new_episodes(self, episode: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Fresh grids and agent positions for every env at episode ``episode``."""
+        lay, n = self.layout, self.n_envs
+        draws = np.arange(len(lay.placements))
+        h = hash_np(self.seed, self.env_index[:, None], episode[:, None], 0, draws)
+        free = np.ones((n, len(lay.cells)), dtype=bool)
+        taken = np.empty((n, len(draws)), dtype=np.int64)
+        rows = np.arange(n)
+        for d in draws:
+            # Each draw takes one interior cell, so draw d chooses among len(cells) - d.
+            k = (h[:, d] % np.uint64(len(lay.cells) - d)).astype(np.int64)
+            taken[:, d] = kth_free(free, k)
+            free[rows, taken[:, d]] = False
+        grid = np.tile(lay.base, (n, 1))
+        kinds = np.array(lay.placements, dtype=np.int8)
+        items = kinds != AGENT
+        grid[rows[:, None], lay.cells[taken[:, items]]] = kinds[items]
+        return grid, lay.cells[taken[:, lay.placements.index(AGENT)]]
+
+    def observation(self) -> np.ndarray:
+        cells = np.take_along_axis(self.grid, self.pos[:, None] + self.layout.window, 1)
+        obs = cells[:, None, :] == self.layout.channel_kinds[None, :, None]
+        return obs.astype(np.float32).reshape(self.n_envs, *self.spec.obs_shape)
+
+    def reset(self, seed: int | None = None) -> tuple[np.ndarray, dict]:
+        if seed is not None:
+            self.seed = check_seed(seed)
+        self.episode = np.zeros(self.n_envs, dtype=np.int64)
+        self.grid, self.pos = self._new_episodes(self.episode)
+        self.t = np.zeros(self.n_envs, dtype=np.int64)
+        self.episode_return = np.zeros(self.n_envs, dtype=np.float32)
+        return self.observation(), {}
+
+    def _check_actions(self, actions: object) -> np.ndarray:
+        allowed = f"integers in [0, {N_ACTIONS})"
+        if not isinstance(actions, np.ndarray) or not np.issubdtype(actions.dtype, np.integer):
+            kind = getattr(actions, "dtype", type(actions).__name__)
+            raise TypeError(f"actions must be a NumPy array of {allowed}, got {kind}")
+        if actions.shape != (self.n_envs,):
+            raise ValueError(f"actions must have shape ({self.n_envs},), got {actions.shape}")
+        if actions.min() < 0 or actions.max() >= N_ACTIONS:
+            raise ValueError(f"actions must be {allowed}, got values in "
+                             f"[{actions.min()}, {actions.max()}]")
+        return actions.astype(np.int64)
+
+    def step(self, actions: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict]:
+        actions = self._check_actions(actions)
+        rows = np.arange(self.n_envs)
+        target = self.pos + self.layout.deltas[actions]
+        cell = self.grid[rows, target]
+        moved = cell != WALL
+        self.pos = np.where(moved, target, self.pos)
+        cell = np.where(moved, cell, EMPTY)
+        eaten = (cell == FOOD) | (cell == POISON)
+        reward = (cell == FOOD).astype(np.float32) - (cell == POISON).astype(np.float32)
+        self.grid[rows, self.pos] = EMPTY  # the agent's cell is empty after any step
+        self.t += 1
+        spawn = self._free_cell(self.grid, self.pos, self.episode, self.t)
+        self.grid[rows, spawn] = np.where(eaten, cell, self.grid[rows, spawn])
+        self.episode_return += reward
+
+        truncated = self.t == self.spec.episode_length
+        info = {"episode_return": np.where(truncated, self.episode_return, 0).astype(np.float32),
+                "episode_length": np.where(truncated, self.t, 0)}
+        final = self.observation() if self.final_obs else None
+        # Same-step reset. The arrays live on the host, so this branch costs no sync and skips
+        # the reset work on the steps where no episode ends.
+        if truncated.any():
+            self.episode += truncated
+            grid, pos = self._new_episodes(self.episode)
+            self.grid = np.where(truncated[:, None], grid, self.grid)
+            self.pos = np.where(truncated, pos, self.pos)
+            self.t[truncated] = 0
+            self.episode_return[truncated] = 0
+        obs = self.observation()
+        if final is not None:
+            info["final_observation"] = np.where(truncated[:, None, None, None], final, obs)
+        return obs, reward, np.zeros_like(truncated), truncated, info
