@@ -1,0 +1,105 @@
+"""Figures of a ladder result: ladder bars (log axis), scaling lines, learning curves."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def _plt():
+    import matplotlib.pyplot as plt  # headless: matplotlib falls back to Agg by itself
+    return plt
+
+
+def _title(result: dict) -> str:
+    m = result["meta"]
+    return f"{m['device_name']} · torch {m['torch']} · {m.get('profile') or ''}".strip(" ·")
+
+
+def ladder_bars(result: dict, ax=None):
+    """Env steps/s per stage on a log axis; skipped stages are labelled, not drawn."""
+    plt = _plt()
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 4))
+    rows = result["ladder"]
+    names = [f"{r['stage']} {r['name']}" for r in rows]
+    values = [r["sps"] if r.get("status") == "ok" else 0 for r in rows]
+    ax.bar(range(len(rows)), [v or math.nan for v in values], color="tab:blue")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(rows)), names, rotation=30, ha="right")
+    ax.set_ylabel("env steps / s (PPO iteration)")
+    ax.set_title(f"The ladder, N={rows[0]['n_envs']} — {_title(result)}")
+    top = max(values) if any(values) else 1
+    for i, r in enumerate(rows):
+        if r.get("status") == "ok":
+            ax.annotate(f"{r['sps']:,.0f}", (i, r["sps"]), ha="center", va="bottom", fontsize=8)
+        else:
+            ax.annotate(r["status"], (i, top ** 0.5 if top > 1 else 1), ha="center",
+                        rotation=90, fontsize=8, color="gray")
+    ax.figure.tight_layout()
+    return ax
+
+
+def scaling_lines(result: dict, ax=None):
+    """Env steps/s against N for each stage of the scaling sweep (log-log)."""
+    plt = _plt()
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 4))
+    by_stage: dict[str, list] = {}
+    for r in result["scaling"]:
+        if r.get("status") == "ok":
+            by_stage.setdefault(f"{r['stage']} {r['name']}", []).append((r["n_envs"], r["sps"]))
+    for name, points in by_stage.items():
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("N (parallel envs)")
+    ax.set_ylabel("env steps / s")
+    ax.set_title(f"Scaling — {_title(result)}", fontsize=9)
+    if by_stage:
+        ax.legend(fontsize=8)
+    ax.figure.tight_layout()
+    return ax
+
+
+def learning_curves(curves: dict[str, list[dict]], axes=None, oracle: float | None = None):
+    """Mean episode return against env steps and against wall time, one line per run."""
+    plt = _plt()
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for name, curve in curves.items():
+        points = [p for p in curve if p["mean_return"] == p["mean_return"]]  # drop NaN
+        if not points:
+            continue
+        axes[0].plot([p["steps"] for p in points], [p["mean_return"] for p in points],
+                     marker=".", label=name)
+        axes[1].plot([p["wall_s"] for p in points], [p["mean_return"] for p in points],
+                     marker=".", label=name)
+    for ax, xlabel in zip(axes, ("env steps", "wall time (s)")):
+        if oracle is not None:
+            ax.axhline(oracle, color="gray", ls="--", lw=1, label="scripted oracle")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("mean episode return")
+    axes[0].legend(fontsize=8)
+    axes[0].figure.tight_layout()
+    return axes
+
+
+def save_figures(result: dict, out_dir: str | Path, stem: str) -> list[Path]:
+    """Write the ladder, scaling and learning-curve PNGs; return their paths."""
+    plt = _plt()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for suffix, draw in (("ladder", ladder_bars), ("scaling", scaling_lines)):
+        ax = draw(result)
+        paths.append(out_dir / f"{stem}_{suffix}.png")
+        ax.figure.savefig(paths[-1], dpi=120)
+        plt.close(ax.figure)
+    curves = {f"{r['stage']} {r['name']}": r["curve"] for r in result["ladder"]
+              if r.get("status") == "ok"}
+    axes = learning_curves(curves)
+    paths.append(out_dir / f"{stem}_learning.png")
+    axes[0].figure.savefig(paths[-1], dpi=120)
+    plt.close(axes[0].figure)
+    return paths
