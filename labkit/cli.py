@@ -169,9 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: auto)")
     p.add_argument("--n-envs", type=_positive_int, default=None, help="N (default: 64)")
     p.add_argument("--n-steps", type=_positive_int, default=None,
-                   help="rollout length T (default: 128)")
+                   help="rollout length T (default: 32)")
     p.add_argument("--total-steps", type=_positive_int, default=None,
-                   help="env steps of the run (default: 1000000)")
+                   help="env steps of the run (default: 500000)")
     p.add_argument("--seed", type=_non_negative_int, default=None, help="default: 1")
     p.add_argument("--value-head", choices=("plain", "popart"), default=None,
                    help="default: plain")

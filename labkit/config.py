@@ -44,8 +44,8 @@ class RunConfig:
     def from_profile(cls, name: str, **overrides) -> RunConfig:
         """Named presets: ``quick`` (CPU/CI, minutes on 2 cores) and ``full`` (GPU)."""
         presets = {
-            "quick": dict(n_envs=32, n_steps=128, iterations=2,
-                          scaling_n_envs=(32, 128, 512), stage_timeout_s=30.0),
+            "quick": dict(n_envs=32, n_steps=64, iterations=2,
+                          scaling_n_envs=(16, 64, 256), stage_timeout_s=30.0),
             "full": dict(n_envs=1024, n_steps=128, iterations=5,
                          scaling_n_envs=(256, 1024, 4096, 16384, 65536), stage_timeout_s=120.0),
         }

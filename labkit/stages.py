@@ -114,6 +114,9 @@ class Pipeline:
                                         capturable=stage.graphs)
         self.generator = torch.Generator(device).manual_seed(cfg.seed)
         if stage.compile:
+            # Fresh dynamo caches per pipeline: guards on the previous pipeline's modules would
+            # otherwise pile up recompiles until dynamo silently falls back to eager.
+            torch._dynamo.reset()
             self.agent.compile()
         if log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="labkit-")

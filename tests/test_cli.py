@@ -1,0 +1,33 @@
+import json
+
+import pytest
+
+from labkit.cli import main
+
+
+def test_unknown_device_is_a_clear_error(capsys):
+    assert main(["bench-env", "--device", "tpu"]) == 2
+    assert "device must be one of" in capsys.readouterr().err
+
+
+def test_unknown_stage_is_rejected_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["ladder", "--stages", "0,warp_speed"])
+    assert exc.value.code == 2
+    assert "stage must be one of" in capsys.readouterr().err
+
+
+def test_ladder_writes_json_and_figures(tmp_path, capsys):
+    code = main(["ladder", "--device", "cpu", "--stages", "3,6,8", "--n-envs", "8",
+                 "--n-steps", "16", "--iterations", "2", "--scaling-n-envs", "4", "8",
+                 "--no-progress", "--out", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "batched_ops" in out and "skipped: needs CUDA" in out
+    result = json.loads((tmp_path / "ladder_cpu_quick.json").read_text())
+    assert [r["stage"] for r in result["ladder"]] == [3, 6, 8]
+    assert result["ladder"][1]["host_reads_rollout_per_step"] == 0
+    assert result["meta"]["torch"] and result["meta"]["cpu_count"] >= 1
+    assert result["headline"]["stage"] == 6  # the highest stage that ran
+    for suffix in ("ladder", "scaling", "learning"):
+        assert (tmp_path / f"ladder_cpu_quick_{suffix}.png").stat().st_size > 1000
