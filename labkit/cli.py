@@ -136,6 +136,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot_runs(args: argparse.Namespace) -> int:
+    import matplotlib.pyplot as plt
+
+    from .plots import learning_curves, run_curve
+
+    curves = {Path(d).name: run_curve(d) for d in args.runs}
+    axes = learning_curves(curves, oracle=args.oracle)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    axes[0].figure.savefig(args.out, dpi=120)
+    plt.close(axes[0].figure)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -183,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run saved in DIR/checkpoint.pt")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("plot-runs", help="learning curves of train runs (steps and wall time)")
+    p.add_argument("runs", nargs="+", help="train --out folders")
+    p.add_argument("--oracle", type=float, default=None, help="draw the oracle's return")
+    p.add_argument("--out", default="results/learning.png", help="PNG to write")
+    p.set_defaults(func=cmd_plot_runs)
     return parser
 
 

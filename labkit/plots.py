@@ -28,13 +28,12 @@ def ladder_bars(result: dict, ax=None):
     ax.set_xticks(range(len(rows)), names, rotation=30, ha="right")
     ax.set_ylabel("env steps / s (PPO iteration)")
     ax.set_title(f"The ladder, N={rows[0]['n_envs']} — {_title(result)}")
-    top = max(values) if any(values) else 1
     for i, r in enumerate(rows):
         if r.get("status") == "ok":
             ax.annotate(f"{r['sps']:,.0f}", (i, r["sps"]), ha="center", va="bottom", fontsize=8)
         else:
-            ax.annotate(r["status"], (i, top ** 0.5 if top > 1 else 1), ha="center",
-                        rotation=90, fontsize=8, color="gray")
+            ax.annotate(r["status"], (i, 0.05), xycoords=("data", "axes fraction"),
+                        ha="center", va="bottom", rotation=90, fontsize=8, color="gray")
     ax.figure.tight_layout()
     return ax
 
@@ -83,6 +82,14 @@ def learning_curves(curves: dict[str, list[dict]], axes=None, oracle: float | No
     axes[0].legend(fontsize=8)
     axes[0].figure.tight_layout()
     return axes
+
+
+def run_curve(run_dir: str | Path) -> list[dict]:
+    """Learning-curve points (steps, wall_s, mean_return) of a ``train`` run's metrics.jsonl."""
+    import json
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [{"steps": r["step"], "wall_s": r["wall_s"], "mean_return": r["mean_return"]}
+            for r in map(json.loads, lines)]
 
 
 def save_figures(result: dict, out_dir: str | Path, stem: str) -> list[Path]:
