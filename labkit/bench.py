@@ -152,6 +152,10 @@ def measure_stage(stage: Stage, cfg: RunConfig, device: torch.device,
             row["cuda_syncs_per_iter"] = m_roll.cuda_syncs + m_upd.cuda_syncs
         if peak_flops:
             row["frac_of_peak"] = row["flops_per_s"] / peak_flops
+    except Exception as err:  # one broken stage must not lose the others' results
+        row = {**row, "status": f"error: {type(err).__name__}: {err}"}
+        for key in ("warmup_s", "precision"):
+            row.pop(key, None)
     finally:
         pipe.close()
     return row

@@ -80,7 +80,9 @@ def cmd_ladder(args: argparse.Namespace) -> int:
     out = write_json(Path(args.out) / f"{stem}.json", result)
     figures = save_figures(result, args.out, stem)
     print(f"wrote {out}, " + ", ".join(str(p) for p in figures))
-    return 0
+    failed = [r for r in result["ladder"] + result["scaling"]
+              if r["status"].startswith("error")]
+    return 1 if failed else 0
 
 
 def _train_stage(text: str) -> str:

@@ -61,6 +61,18 @@ def test_skipped_stage_is_reported_not_replaced():
     assert "sps" not in row
 
 
+def test_a_failing_stage_is_reported_as_an_error(monkeypatch):
+    import labkit.bench
+
+    def boom(pipeline):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(labkit.bench, "warmup", boom)
+    row = measure_stage(get_stage("batched_ops"), CFG, CPU)
+    assert row["status"] == "error: RuntimeError: capture failed"
+    assert "sps" not in row
+
+
 def test_get_stage_errors_name_the_allowed_values():
     assert get_stage(3).name == get_stage("batched_ops").name == "batched_ops"
     with pytest.raises(ValueError, match="stage must be one of"):
