@@ -79,7 +79,8 @@ def learning_curves(curves: dict[str, list[dict]], axes=None, oracle: float | No
             ax.axhline(oracle, color="gray", ls="--", lw=1, label="scripted oracle")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("mean episode return")
-    axes[0].legend(fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8)
     axes[0].figure.tight_layout()
     return axes
 
