@@ -138,7 +138,8 @@ class HostBatchedCollector(Collector):
         obs = torch.from_numpy(self.host_obs).to(self.device)  # host -> device every step
         action, logprob, value = self.act(obs)
         self._store(t, obs, action, logprob, value)
-        self.host_obs, reward, term, trunc, info = self.env.step(action.cpu().numpy())
+        actions = action.cpu().numpy()  # device -> host every step: stage 1's sync
+        self.host_obs, reward, term, trunc, info = self.env.step(actions)
         self.storage.rewards[t] = torch.from_numpy(reward).to(self.device)
         done = torch.from_numpy(np.logical_or(term, trunc)).to(self.device)
         self.done = done.float()
