@@ -94,8 +94,8 @@ def test_stages_collect_identical_rollouts():
     assert ref["rewards"].abs().sum() > 0  # food and poison were eaten: respawns ran
 
 
-def _update_result(index: int, batch) -> list[torch.Tensor]:
-    p = Pipeline(STAGES[index], CFG, CPU)
+def _update_result(index: int, batch, device: torch.device = CPU) -> list[torch.Tensor]:
+    p = Pipeline(STAGES[index], CFG, device)
     p.generator.manual_seed(123)
     p.update(batch)
     params = [t.detach().clone() for t in p.agent.parameters()]
@@ -208,15 +208,7 @@ def test_cuda_amp_and_graphed_updates_match_fp32_within_tolerance():
     batch = p.rollout()
     p.close()
 
-    def update(index):
-        q = Pipeline(STAGES[index], CFG, cuda)
-        q.generator.manual_seed(123)
-        q.update(batch)
-        out = [t.detach().clone() for t in q.agent.parameters()]
-        q.close()
-        return out
-
-    fp32, amp, graphed = update(4), update(7), update(8)
+    fp32, amp, graphed = (_update_result(i, batch, cuda) for i in (4, 7, 8))
     for a, b, c in zip(fp32, amp, graphed):
         torch.testing.assert_close(b, a, rtol=0, atol=2e-3)
         torch.testing.assert_close(c, b, rtol=1e-4, atol=1e-5)
