@@ -1,5 +1,10 @@
-"""Device selection with clear errors."""
+"""Device selection with clear errors, and where a result was measured."""
 from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import subprocess
 
 import torch
 
@@ -32,11 +37,38 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    import platform
     return platform.processor() or platform.machine() or "cpu"
+
+
+def has_bf16(device: torch.device) -> bool:
+    """bf16 autocast worth using: a CUDA device that supports it (on the CPU, without AMX,
+    bf16 matmuls are slower than fp32 for this model)."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
 def synchronize(device: torch.device) -> None:
     """Wait for queued work on ``device``; the only place the harness blocks on the GPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def git_commit() -> str:
+    """The labkit checkout's commit (short hash), or "unknown" outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def run_metadata(device: torch.device, profile: str | None = None) -> dict:
+    """Where and when a result was measured: the one metadata block of every results file."""
+    from . import __version__
+
+    return {"device": device.type, "device_name": device_name(device),
+            "torch": torch.__version__, "labkit": __version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "git_commit": git_commit(), "profile": profile,
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}

@@ -250,7 +250,7 @@ def test_bench_envs_small() -> None:
     assert [row["impl"] for row in result["rows"]] == list(sizes)
     assert all(row["steps_per_s"] > 0 for row in result["rows"])
     assert result["rows"][0]["ratio_vs_py"] == 1.0
-    assert "ForageTorchLoop" in format_table(result) and result["torch_version"]
+    assert "ForageTorchLoop" in format_table(result) and result["meta"]["torch"]
 
 
 def test_observation_channels() -> None:

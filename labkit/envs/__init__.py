@@ -4,11 +4,12 @@ from __future__ import annotations
 from .bench import bench_envs, format_table
 from .numpy import ForageNumpy, Layout
 from .policies import mean_return, oracle_actions, random_actions
-from .python import ForagePy
+from .python import ForagePy, ForagePyList
 from .spec import ACTION_DELTAS, EMPTY, FOOD, N_ACTIONS, POISON, WALL, ForageSpec
 from .torch import ForageTorch, kth_free
 from .torch_loop import ForageTorchLoop
 
 __all__ = ["ACTION_DELTAS", "EMPTY", "FOOD", "N_ACTIONS", "POISON", "WALL", "ForageNumpy",
-           "ForagePy", "ForageSpec", "ForageTorch", "ForageTorchLoop", "Layout", "bench_envs",
-           "format_table", "kth_free", "mean_return", "oracle_actions", "random_actions"]
+           "ForagePy", "ForagePyList", "ForageSpec", "ForageTorch", "ForageTorchLoop", "Layout",
+           "bench_envs", "format_table", "kth_free", "mean_return", "oracle_actions",
+           "random_actions"]

@@ -1,18 +1,14 @@
 """Env-steps per second of the four Forage implementations with random actions."""
 from __future__ import annotations
 
-import datetime
-import os
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from ..device import device_name, resolve_device, synchronize
+from ..device import resolve_device, run_metadata, synchronize
 from .numpy import ForageNumpy
 from .python import ForagePy
 from .spec import N_ACTIONS, ForageSpec, check_int
@@ -20,15 +16,6 @@ from .torch import ForageTorch
 from .torch_loop import ForageTorchLoop
 
 IMPLS = ("ForagePy", "ForageNumpy", "ForageTorchLoop", "ForageTorch")
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def _time(step: Callable[[int], None], steps: int, warmup: int, repeats: int,
@@ -63,7 +50,7 @@ def _runners(spec: ForageSpec, device: torch.device, sizes: dict[str, int], n_ac
     runners["ForagePy"] = (n, step_py)
 
     n = sizes["ForageNumpy"]
-    np_env = ForageNumpy(n, spec, seed=seed)
+    np_env = ForageNumpy(n, spec, seed)
     np_actions = rng.integers(0, N_ACTIONS, (n_actions, n))
     runners["ForageNumpy"] = (n, lambda i: np_env.step(np_actions[i % n_actions]))
 
@@ -112,15 +99,8 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
     for row in rows:
         row["ratio_vs_py"] = row["steps_per_s"] / py
     return {
+        "meta": run_metadata(dev),
         "rows": rows,
-        "device": str(dev),
-        "device_name": device_name(dev),
-        "torch_version": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": _git_commit(),
         "repeats": repeats,
         "warmup_steps": warmup,
         "timed_steps": steps,
@@ -130,8 +110,9 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
 
 def format_table(result: dict) -> str:
     """The rows of ``bench_envs`` as a fixed-width text table with a one-line header."""
-    lines = [f"Forage env-steps/s on {result['device']} ({result['device_name']}), "
-             f"torch {result['torch_version']}, median of {result['repeats']}",
+    m = result["meta"]
+    lines = [f"Forage env-steps/s on {m['device']} ({m['device_name']}), "
+             f"torch {m['torch']}, median of {result['repeats']}",
              f"{'impl':<16}{'n_envs':>8}{'steps/s':>14}{'vs ForagePy':>13}"]
     for row in result["rows"]:
         lines.append(f"{row['impl']:<16}{row['n_envs']:>8}{row['steps_per_s']:>14,.0f}"

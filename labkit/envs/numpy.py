@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .rng import hash_np
 from .spec import (
@@ -25,6 +26,7 @@ from .spec import (
 
 AGENT = -1
 """Marks the reset draw that places the agent rather than a cell kind."""
+STATE_ARRAYS = ("episode", "t", "grid", "pos", "episode_return")
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,11 +77,12 @@ class ForageNumpy:
     ``reset() -> (obs, info)``, ``step(actions) -> (obs, reward, terminated, truncated, info)``
     with obs float32 (N, 3, V, V), reward float32 (N,), terminated/truncated bool (N,) and
     info ``episode_return`` float32 / ``episode_length`` int64 (0 where no episode ended), plus
-    ``final_observation`` when ``final_obs`` is set.
+    ``final_observation`` when ``final_obs`` is set. ``device`` is unused (NumPy arrays live on
+    the host); it is accepted so that every vectorized Forage is built with the same arguments.
     """
 
     def __init__(self, n_envs: int, spec: ForageSpec | None = None, seed: int = 0,
-                 final_obs: bool = False) -> None:
+                 *, device: object = None, final_obs: bool = False) -> None:
         self.n_envs = check_n_envs(n_envs)
         self.spec = spec if spec is not None else ForageSpec()
         if not isinstance(self.spec, ForageSpec):
@@ -180,3 +183,20 @@ class ForageNumpy:
         if final is not None:
             info["final_observation"] = np.where(truncated[:, None, None, None], final, obs)
         return obs, reward, np.zeros_like(truncated), truncated, info
+
+    def state_dict(self) -> dict:
+        """Copies of the env state (as CPU tensors, so checkpoints load with weights_only)."""
+        return {"seed": self.seed,
+                **{k: torch.from_numpy(getattr(self, k).copy()) for k in STATE_ARRAYS}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != {"seed", *STATE_ARRAYS}:
+            raise ValueError(f"state must have keys {sorted(['seed', *STATE_ARRAYS])}, "
+                             f"got {sorted(state)}")
+        for key in STATE_ARRAYS:
+            mine, value = getattr(self, key), state[key]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != mine.shape:
+                raise ValueError(f"state[{key!r}] must be a tensor of shape {mine.shape}")
+        self.seed = check_seed(state["seed"])
+        for key in STATE_ARRAYS:
+            setattr(self, key, state[key].numpy().astype(getattr(self, key).dtype))

@@ -1,7 +1,7 @@
 """ForagePy: one Forage env in plain Python (lists and ints). The reference implementation."""
 from __future__ import annotations
 
-from .rng import hash_py
+from .rng import hash32
 from .spec import (
     ACTION_DELTAS,
     CHANNEL_OF,
@@ -13,8 +13,11 @@ from .spec import (
     WALL,
     ForageSpec,
     check_int,
+    check_n_envs,
     check_seed,
 )
+
+STATE_KEYS = ("seed", "episode", "t", "grid", "pos", "episode_return")
 
 
 class ForagePy:
@@ -35,7 +38,7 @@ class ForagePy:
         self.reset()
 
     def _draw(self, step: int, draw: int) -> int:
-        return hash_py(self.seed, self.env_index, self.episode, step, draw)
+        return hash32(self.seed, self.env_index, self.episode, step, draw)
 
     def _place(self, kind: int, step: int, draw: int) -> None:
         free = [(r, c) for r in range(self.spec.height) for c in range(self.spec.width)
@@ -102,3 +105,43 @@ class ForagePy:
             self.episode += 1
             self._new_episode()
         return self.observation(), reward, False, truncated, info
+
+    def state_dict(self) -> dict:
+        """Plain-data copy of the env state: enough to resume bit-exactly."""
+        return {"seed": self.seed, "episode": self.episode, "t": self.t,
+                "grid": [list(row) for row in self.grid], "pos": list(self.pos),
+                "episode_return": self.episode_return}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != set(STATE_KEYS):
+            raise ValueError(f"state must have keys {sorted(STATE_KEYS)}, got {sorted(state)}")
+        self.seed, self.episode, self.t = state["seed"], state["episode"], state["t"]
+        self.grid = [list(row) for row in state["grid"]]
+        self.pos = tuple(state["pos"])
+        self.episode_return = state["episode_return"]
+
+
+class ForagePyList(list):
+    """``n_envs`` independent ForagePy objects, env ``i`` with hash counter index ``i``: the
+    per-env Python objects of stage 0. It takes the same arguments as the vectorized envs
+    (``device`` is unused: plain Python lives on the host) and checkpoints as one env."""
+
+    def __init__(self, n_envs: int, spec: ForageSpec | None = None, seed: int = 0,
+                 device: object = None) -> None:
+        super().__init__(ForagePy(spec, seed, env_index=i) for i in range(check_n_envs(n_envs)))
+        self.n_envs, self.spec = n_envs, self[0].spec
+
+    def reset(self, seed: int | None = None) -> tuple[list, dict]:
+        return [env.reset(seed)[0] for env in self], {}
+
+    def observation(self) -> list:
+        return [env.observation() for env in self]
+
+    def state_dict(self) -> dict:
+        return {"envs": [env.state_dict() for env in self]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state.get("envs", ())) != self.n_envs:
+            raise ValueError(f"state must hold {self.n_envs} env states")
+        for env, s in zip(self, state["envs"]):
+            env.load_state_dict(s)

@@ -1,15 +1,15 @@
-"""Counter-based hash RNG, written identically for Python ints, NumPy and torch.
+"""Counter-based hash RNG, bit-exact across Python ints, torch tensors and NumPy arrays.
 
 A draw is a pure function of ``(seed, env, episode, step, draw)``: no generator state, so the
 Python, NumPy and torch environments produce the same numbers in any order and on any device.
-Mixing is Chris Wellons' ``lowbias32``. All arithmetic is done in 64-bit integers and masked to
-32 bits after each multiply (torch has no full uint32 support; the low 32 bits of a wrapped
-int64 product are the same as of the exact product), so the three versions are bit-exact.
+Mixing is Chris Wellons' ``lowbias32``. Every multiply is masked back to 32 bits: torch has no
+full uint32 arithmetic, but the low 32 bits of a wrapped int64 product are those of the exact
+product, so ``hash32`` on int64 tensors equals it on Python ints. NumPy gets its own entry point
+only to cast to uint64 first (NumPy will not mix signed arrays with these constants).
 """
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 MASK = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x846CA68B
@@ -25,8 +25,9 @@ def _mix(x):
     return x ^ (x >> 16)
 
 
-def hash_py(seed: int, env: int, episode: int, step: int, draw: int) -> int:
-    """Reference version on Python ints."""
+def hash32(seed, env, episode, step, draw):
+    """The hash on Python ints, or on int64 tensors (any device; arguments broadcast; no host
+    reads). Result in [0, 2**32)."""
     h = _GOLDEN
     for key in (seed, env, episode, step, draw):
         h = _mix(h ^ (key & MASK))
@@ -34,16 +35,5 @@ def hash_py(seed: int, env: int, episode: int, step: int, draw: int) -> int:
 
 
 def hash_np(seed, env, episode, step, draw) -> np.ndarray:
-    """NumPy version; arguments broadcast, result is uint64 in [0, 2**32)."""
-    h = np.uint64(_GOLDEN)
-    for key in (seed, env, episode, step, draw):
-        h = _mix(h ^ (np.asarray(key).astype(np.uint64) & np.uint64(MASK)))
-    return h
-
-
-def hash_torch(seed, env, episode, step, draw) -> torch.Tensor:
-    """torch version on int64 tensors (any device); arguments broadcast. No host reads."""
-    h = _GOLDEN
-    for key in (seed, env, episode, step, draw):
-        h = _mix(h ^ (key & MASK))
-    return h
+    """``hash32`` for NumPy; arguments broadcast, result is uint64 in [0, 2**32)."""
+    return hash32(*(np.asarray(k).astype(np.uint64) for k in (seed, env, episode, step, draw)))

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 
 EMPTY, WALL, FOOD, POISON = 0, 1, 2, 3
 N_ACTIONS = 5
-ACTION_NAMES = ("stay", "up", "down", "left", "right")
-#: (row delta, column delta) per action.
+#: (row delta, column delta) per action: stay, up, down, left, right.
 ACTION_DELTAS = ((0, 0), (-1, 0), (1, 0), (0, -1), (0, 1))
 N_CHANNELS = 3
 #: Observation channel per cell type.
@@ -36,6 +35,7 @@ CHANNEL_OF = {WALL: 0, FOOD: 1, POISON: 2}
 
 MAX_SIDE = 256
 MAX_SEED = 2**32 - 1
+MAX_ENVS = 2**24
 
 
 def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
@@ -95,14 +95,10 @@ class ForageSpec:
     def radius(self) -> int:
         return self.view // 2
 
-    @property
-    def reset_draws(self) -> int:
-        """Hash draws used by one episode reset (walls, agent, food, poison)."""
-        return self.n_walls + 1 + self.n_food + self.n_poison
 
-
-def check_n_envs(n_envs: object) -> int:
-    return check_int("n_envs", n_envs, 1, 2**24)
+def check_n_envs(n_envs: object, name: str = "n_envs") -> int:
+    """The one bounds check for a number of parallel envs."""
+    return check_int(name, n_envs, 1, MAX_ENVS)
 
 
 def check_seed(seed: object) -> int:

@@ -15,7 +15,7 @@ import torch
 
 from ..device import resolve_device
 from .numpy import AGENT, Layout
-from .rng import hash_torch
+from .rng import hash32
 from .spec import EMPTY, FOOD, N_ACTIONS, POISON, WALL, ForageSpec, check_n_envs, check_seed
 
 INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -34,6 +34,9 @@ class ForageTorch:
     Same API and outputs as ForageNumpy, with tensors on ``device``. ``state_dict()`` /
     ``load_state_dict()`` checkpoint the whole env (grids are flat and wall-padded).
     """
+
+    #: One batch of tensor ops steps every env: the cost grows with N only through the device.
+    vectorized_on_device = True
 
     def __init__(self, n_envs: int, spec: ForageSpec | None = None, seed: int = 0,
                  device: str | torch.device = "cpu", final_obs: bool = False) -> None:
@@ -76,14 +79,14 @@ class ForageTorch:
         cells = self._cells
         free = (grid[:, cells] == EMPTY) & (cells != pos.unsqueeze(1))
         count = free.sum(1).clamp(min=1)
-        k = hash_torch(self.seed, env, episode, step, 0) % count
+        k = hash32(self.seed, env, episode, step, 0) % count
         return cells[kth_free(free, k).clamp(max=cells.numel() - 1)]
 
     def _new_episodes(self, env: torch.Tensor, episode: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh flat grids and agent positions for envs ``env`` at episodes ``episode``."""
         n, n_cells = env.shape[0], self._cells.numel()
-        h = hash_torch(self.seed, env.unsqueeze(1), episode.unsqueeze(1), 0, self._draws)
+        h = hash32(self.seed, env.unsqueeze(1), episode.unsqueeze(1), 0, self._draws)
         free = torch.ones(n, n_cells, dtype=torch.bool, device=self.device)
         taken = torch.empty(n, len(self._draws), dtype=torch.int64, device=self.device)
         for d in range(len(self._draws)):

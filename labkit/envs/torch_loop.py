@@ -16,6 +16,8 @@ from .torch import ForageTorch
 class ForageTorchLoop(ForageTorch):
     """``n_envs`` Forage envs on ``device``, stepped one env at a time (host syncs and all)."""
 
+    vectorized_on_device = False
+
     def step(self, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                    torch.Tensor, dict]:
         actions = self._check_actions(actions)
