@@ -1,47 +1,32 @@
 """The benchmark harness: every stage measured the same way.
 
-Per stage: build the pipeline, run one warmup iteration off the clock (``warmup_s``; it
-compiles, captures, autotunes) and restore its state, then time steady-state iterations
-(median of >= 2, more while the stage's time budget lasts). On CUDA, events mark rollout and
-update inside an iteration and the host synchronizes only at iteration boundaries; on the CPU,
+Per stage: build the pipeline, run one warmup iteration off the clock (``warmup_s``: compile,
+capture, autotune) and restore its state, then time steady-state iterations, alternately
+without and with the phase clock: the unmarked ones give the headline ``sps``, the marked ones
+``phase_ms`` (where the iteration went), and the pair the marks' own overhead. On CUDA the host
+synchronizes only at iteration boundaries (phases are CUDA events); on the CPU the clock is
 ``time.perf_counter``. One more iteration runs under the sync meter to count host reads.
+Last, the **compute ceiling**: the same stage's model work alone (T policy forwards over N
+envs and the whole update, on tensors already in place, no env, no logging) at its precision,
+so ``frac_of_ceiling`` says how much of an iteration is still overhead.
 Nothing is extrapolated: every figure comes from iterations that ran.
 """
 from __future__ import annotations
 
-import datetime as _dt
-import os
-import platform
 import resource
 import statistics
-import subprocess
 import time
-from dataclasses import replace
+from collections.abc import Callable
 
 import torch
 
-from . import __version__
-from .compile import warmup
-from .config import RunConfig
-from .device import device_name, synchronize
+from .capture import warmup
+from .config import BenchConfig
+from .device import run_metadata, synchronize
 from .policy import flops_per_sample
-from .ppo import PPOConfig
-from .stages import STAGES, Pipeline, Stage, StageSkipped
+from .stages import STAGES, Pipeline, Stage, StageSkipped, get_stage
 from .syncmeter import SyncMeter
-
-
-def metadata(device: torch.device, profile: str | None = None) -> dict:
-    """Where and when a result was measured."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=5, cwd=os.path.dirname(__file__)).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return {"device": device.type, "device_name": device_name(device),
-            "torch": torch.__version__, "labkit": __version__, "python": platform.python_version(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "git_commit": commit or "unknown", "profile": profile,
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+from .timing import PHASES, lap_cost_s, time_calls
 
 
 def matmul_peak_flops(device: torch.device, seconds: float = 1.0) -> dict:
@@ -61,108 +46,124 @@ def matmul_peak_flops(device: torch.device, seconds: float = 1.0) -> dict:
     return {"peak_flops": best, "peak_dtype": str(dtype).removeprefix("torch."), "peak_n": n}
 
 
-class _Clock:
-    """Marks inside an iteration without syncing: CUDA events on a GPU, perf_counter on a CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def intervals(self) -> list[float]:
-        """Seconds between consecutive marks (call after synchronizing)."""
-        if self.cuda:
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
-
-
 def _peak_memory(device: torch.device) -> tuple[float, str]:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20, "cuda max allocated"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10, "process max RSS"
 
 
-def measure_stage(stage: Stage, cfg: RunConfig, device: torch.device,
-                  ppo: PPOConfig | None = None, peak_flops: float | None = None) -> dict:
-    """Measure one stage at ``cfg.n_envs`` x ``cfg.n_steps``; a dict of figures (or status)."""
-    ppo = ppo or PPOConfig()
+def _timed_iteration(pipe: Pipeline, marked: bool) -> tuple[float, dict[str, float], dict]:
+    """Seconds of one iteration (synchronized at both ends), its phases if ``marked``, and
+    what the iteration returned."""
+    synchronize(pipe.device)
+    start = time.perf_counter()
+    if marked:
+        pipe.clock.start()
+    out = pipe.iteration()
+    synchronize(pipe.device)  # iteration boundary: the only sync the harness adds
+    elapsed = time.perf_counter() - start
+    return elapsed, (pipe.clock.stop() if marked else {}), out
+
+
+def compute_ceiling(pipe: Pipeline, batch, repeats: int) -> float:
+    """Median seconds of the stage's model work alone: T policy forwards over N envs on a fixed
+    observation and the whole PPO update on ``batch``, through the stage's own executors and
+    precision. The pipeline's state is restored afterwards."""
+    saved = pipe.state_dict()
+    obs = pipe.collector.next_obs()
+    policy_step = pipe.stage.rollout.outer(lambda: pipe.collector.act(obs), pipe)
+
+    def model_work() -> None:
+        with torch.no_grad():
+            for _ in range(pipe.cfg.n_steps):
+                policy_step()
+        pipe.update(batch)
+
+    timings = time_calls(model_work, pipe.device, repeats)  # the first call captures/compiles
+    pipe.load_state_dict(saved)
+    return timings.median
+
+
+def measure_stage(stage: Stage, cfg: BenchConfig, device: torch.device,
+                  peak_flops: float | None = None, lap_cost: float | None = None) -> dict:
+    """Measure one stage at ``cfg.run.n_envs`` x ``cfg.run.n_steps``; a dict of figures or a
+    ``status`` saying why not (``skipped: ...`` or ``error: ...``). ``lap_cost`` (seconds per
+    phase mark, measured if not given) turns the marks per iteration into their overhead."""
+    stage = get_stage(stage)
+    run = cfg.run
     row: dict = {"stage": stage.index, "name": stage.name, "lesson": stage.lesson,
-                 "n_envs": cfg.n_envs, "n_steps": cfg.n_steps}
+                 "n_envs": run.n_envs, "n_steps": run.n_steps}
     try:
-        pipe = Pipeline(stage, cfg, device, ppo, n_iterations=cfg.iterations + 1)
+        pipe = Pipeline(stage, run, device)
     except StageSkipped as err:
         return {**row, "status": f"skipped: {str(err).split(': ', 1)[1]}"}
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        lap_cost = lap_cost if lap_cost is not None else lap_cost_s(device)
         row["precision"] = pipe.precision
         row["warmup_s"] = warmup(pipe)
-        times, rollouts, updates, curve = [], [], [], []
+        plain, marked, phases, curve = [], [], [], []
         budget_end = time.perf_counter() + cfg.stage_timeout_s
         start = time.perf_counter()
-        while len(times) < cfg.iterations and (len(times) < 2 or time.perf_counter() < budget_end):
-            clock = _Clock(device)
-            synchronize(device)
-            t0 = time.perf_counter()
-            clock.mark()
-            batch = pipe.rollout()
-            clock.mark()
-            out = pipe.learn(batch)
-            clock.mark()
-            synchronize(device)  # iteration boundary: the only sync the harness adds
-            times.append(time.perf_counter() - t0)
-            rollout_s, update_s = clock.intervals()
-            rollouts.append(rollout_s)
-            updates.append(update_s)
-            curve.append({"steps": pipe.collector.global_step,
-                          "wall_s": time.perf_counter() - start,
-                          "mean_return": out["mean_return"]})
+        while len(plain) < cfg.iterations and (len(plain) < 2 or time.perf_counter() < budget_end):
+            for is_marked in (False, True):
+                seconds, ms, out = _timed_iteration(pipe, is_marked)
+                (marked if is_marked else plain).append(seconds)
+                if is_marked:
+                    phases.append(ms)
+                curve.append({"steps": pipe.global_step, "wall_s": time.perf_counter() - start,
+                              "mean_return": out["mean_return"]})
+        laps = pipe.clock.laps
         with SyncMeter(cuda_debug=True) as m_roll:
             batch = pipe.rollout()
         with SyncMeter(cuda_debug=True) as m_upd:
             pipe.learn(batch)
         synchronize(device)
-        it_s = statistics.median(times)
-        samples = cfg.n_envs * cfg.n_steps
-        flops = flops_per_sample(cfg.spec.view)
-        work = samples * (flops["forward"] + ppo.update_epochs * flops["train"]) \
-            + cfg.n_envs * flops["forward"]
+        ceiling_s = compute_ceiling(pipe, batch, cfg.iterations)
+        it_s = statistics.median(plain)
+        samples = run.n_envs * run.n_steps
+        flops = flops_per_sample(run.spec.view)
+        work = samples * (flops["forward"] + run.ppo.update_epochs * flops["train"]) \
+            + run.n_envs * flops["forward"]
         mem, mem_kind = _peak_memory(device)
         row.update({
-            "status": "ok", "iterations": len(times), "iteration_s": it_s,
+            "status": "ok", "iterations": len(plain), "iteration_s": it_s,
+            "iteration_s_spread": [min(plain), it_s, max(plain)],
             "sps": samples / it_s,
-            "rollout_sps": samples / statistics.median(rollouts),
-            "update_ms": 1e3 * statistics.median(updates),
+            "phase_ms": {k: statistics.median(p.get(k, 0.0) for p in phases)
+                         for k in PHASES if any(k in p for p in phases)},
+            "marked_iteration_s": statistics.median(marked),
+            "marks_per_iter": laps,
+            "marks_overhead": laps * lap_cost / it_s,
+            "marks_ab": statistics.median(marked) / it_s - 1,
+            "ceiling_sps": samples / ceiling_s,
+            "frac_of_ceiling": ceiling_s / it_s,
             "peak_mem_mb": mem, "mem_kind": mem_kind,
             "mean_return": curve[-1]["mean_return"], "curve": curve,
             "host_reads_per_iter": m_roll.host_reads + m_upd.host_reads,
-            "host_reads_rollout_per_step": m_roll.host_reads / cfg.n_steps,
+            "host_reads_rollout_per_step": m_roll.host_reads / run.n_steps,
             "host_reads_update": m_upd.host_reads,
             "host_reads_by_kind": dict(m_roll.counts + m_upd.counts),
             "flops_per_s": work / it_s,
         })
+        row["rollout_sps"] = samples / (1e-3 * sum(
+            v for k, v in row["phase_ms"].items() if k not in ("gae", "update")))
+        row["update_ms"] = row["phase_ms"].get("update", 0.0)
         if device.type == "cuda":
             row["cuda_syncs_per_iter"] = m_roll.cuda_syncs + m_upd.cuda_syncs
         if peak_flops:
             row["frac_of_peak"] = row["flops_per_s"] / peak_flops
     except Exception as err:  # one broken stage must not lose the others' results
         row = {**row, "status": f"error: {type(err).__name__}: {err}"}
-        for key in ("warmup_s", "precision"):
-            row.pop(key, None)
     finally:
         pipe.close()
     return row
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    base = next((r for r in rows if r.get("status") == "ok" and r["stage"] == 0), None)
+    first = STAGES[0].name
+    base = next((r for r in rows if r.get("status") == "ok" and r["name"] == first), None)
     prev = None
     for r in rows:
         if r.get("status") != "ok":
@@ -172,21 +173,26 @@ def _add_ratios(rows: list[dict]) -> None:
         prev = r
 
 
-def run_ladder(cfg: RunConfig, device: torch.device, stages: list[Stage] | None = None,
-               scaling: bool = True, profile: str | None = None, progress=None) -> dict:
-    """The ladder (every stage at one N, T) and the scaling sweep (stages >= 3 over N)."""
-    stages = list(stages or STAGES)
+def run_ladder(cfg: BenchConfig, device: torch.device, stages: list[Stage] | None = None,
+               scaling: bool = True, profile: str | None = None,
+               progress: Callable[[int, int, str], None] | None = None) -> dict:
+    """The ladder (every stage at one N, T) and the scaling sweep (the stages whose env is
+    vectorized on the device, over ``cfg.scaling_n_envs``)."""
+    stages = [get_stage(s) for s in (stages if stages is not None else STAGES)]
+    if not stages:
+        raise ValueError("stages must name at least one stage")
     peak = matmul_peak_flops(device)
-    result = {"meta": metadata(device, profile), "config": cfg.to_dict(), **peak,
-              "ladder": [], "scaling": []}
+    lap_cost = lap_cost_s(device)
+    result = {"meta": run_metadata(device, profile), "config": cfg.to_dict(), **peak,
+              "lap_cost_s": lap_cost, "ladder": [], "scaling": []}
     todo = [(s, cfg) for s in stages]
     if scaling:
-        todo += [(s, replace(cfg, n_envs=n)) for s in stages if s.index >= 3
+        todo += [(s, cfg.replace(n_envs=n)) for s in stages if s.scales
                  for n in cfg.scaling_n_envs]
     for i, (stage, c) in enumerate(todo):
         if progress:
-            progress(i, len(todo), f"{stage.name} N={c.n_envs}")
-        row = measure_stage(stage, c, device, peak_flops=peak["peak_flops"])
+            progress(i, len(todo), f"{stage.name} N={c.run.n_envs}")
+        row = measure_stage(stage, c, device, peak_flops=peak["peak_flops"], lap_cost=lap_cost)
         (result["ladder"] if i < len(stages) else result["scaling"]).append(row)
     _add_ratios(result["ladder"])
     ok = [r for r in result["ladder"] + result["scaling"] if r.get("status") == "ok"]
@@ -202,8 +208,9 @@ def run_ladder(cfg: RunConfig, device: torch.device, stages: list[Stage] | None 
 
 def format_ladder(result: dict) -> str:
     """The ladder table as text."""
-    head = (f"{'#':>2} {'stage':<15} {'N':>6} {'sps':>11} {'x st0':>7} {'x prev':>7} "
-            f"{'reads/it':>9} {'warmup s':>9} {'% peak':>7}  precision")
+    head = (f"{'#':>2} {'stage':<15} {'N':>6} {'sps':>10} {'x st0':>6} {'x prev':>6} "
+            f"{'reads/it':>8} {'warmup s':>8} {'ceil sps':>10} {'% ceil':>6} {'% peak':>6}"
+            f"  precision")
     lines = [head, "-" * len(head)]
     for r in result["ladder"]:
         if r.get("status") != "ok":
@@ -212,18 +219,41 @@ def format_ladder(result: dict) -> str:
         x0 = f"{r['x_vs_stage0']:.1f}" if r.get("x_vs_stage0") else "-"
         xp = f"{r['x_vs_prev']:.2f}" if r.get("x_vs_prev") else "-"
         pk = f"{100 * r['frac_of_peak']:.2f}" if r.get("frac_of_peak") else "-"
-        lines.append(f"{r['stage']:>2} {r['name']:<15} {r['n_envs']:>6} {r['sps']:>11,.0f} "
-                     f"{x0:>7} {xp:>7} {r['host_reads_per_iter']:>9} {r['warmup_s']:>9.2f} "
-                     f"{pk:>7}  {r['precision']}")
+        lines.append(f"{r['stage']:>2} {r['name']:<15} {r['n_envs']:>6} {r['sps']:>10,.0f} "
+                     f"{x0:>6} {xp:>6} {r['host_reads_per_iter']:>8} {r['warmup_s']:>8.2f} "
+                     f"{r['ceiling_sps']:>10,.0f} {100 * r['frac_of_ceiling']:>6.1f} {pk:>6}"
+                     f"  {r['precision']}")
     m = result["meta"]
     lines.append(f"device: {m['device_name']} ({m['device']}), torch {m['torch']}, "
                  f"peak {result['peak_flops'] / 1e9:.1f} GFLOP/s ({result['peak_dtype']} matmul)")
     return "\n".join(lines)
 
 
+def format_phases(result: dict) -> str:
+    """Milliseconds per iteration in each phase, per stage, and the marks' own overhead."""
+    keys = [k for k in PHASES if any(k in r.get("phase_ms", {}) for r in result["ladder"])]
+    head = (f"{'#':>2} {'stage':<15}" + "".join(f"{k:>9}" for k in keys)
+            + f"{'marks':>8}{'A/B':>8}")
+    lines = [head, "-" * len(head)]
+    for r in result["ladder"]:
+        if r.get("status") != "ok":
+            continue
+        cells = "".join(f"{r['phase_ms'].get(k, 0.0):>9.1f}" for k in keys)
+        lines.append(f"{r['stage']:>2} {r['name']:<15}{cells}"
+                     f"{100 * r['marks_overhead']:>7.2f}%{100 * r['marks_ab']:>+7.1f}%")
+    lines.append("ms per iteration (median of the marked iterations). marks: phase marks per "
+                 "iteration x measured cost of one mark, over the iteration; A/B: marked vs "
+                 "unmarked iterations of the same run (noisy on a shared machine)")
+    return "\n".join(lines)
+
+
 def format_scaling(result: dict) -> str:
-    lines = [f"{'#':>2} {'stage':<15} {'N':>7} {'sps':>12}"]
+    lines = [f"{'#':>2} {'stage':<15} {'N':>7} {'sps':>12} {'% ceil':>7}"]
     for r in result["scaling"]:
-        value = f"{r['sps']:>12,.0f}" if r.get("status") == "ok" else r["status"]
+        if r.get("status") == "ok":
+            value = f"{r['sps']:>12,.0f} {100 * r['frac_of_ceiling']:>7.1f}"
+        else:
+            value = r["status"]
         lines.append(f"{r['stage']:>2} {r['name']:<15} {r['n_envs']:>7} {value}")
     return "\n".join(lines)
+

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from .files import write_json
 
 
 def _positive_int(text: str) -> int:
@@ -15,15 +16,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
-
-
-def write_json(path: Path, data: dict) -> Path:
-    """Write ``data`` atomically (temporary file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
-    return path
 
 
 def cmd_bench_env(args: argparse.Namespace) -> int:
@@ -39,9 +31,21 @@ def cmd_bench_env(args: argparse.Namespace) -> int:
 
 
 def _stage_list(text: str) -> list:
+    from .stages import STAGE_NAMES, get_stage
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated stages (0-{len(STAGE_NAMES) - 1} or names), got {text!r}")
+    try:
+        return [get_stage(part) for part in parts if part]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _stage(text: str) -> str:
     from .stages import get_stage
     try:
-        return [get_stage(part.strip()) for part in text.split(",") if part.strip()]
+        return get_stage(text).name
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -49,8 +53,8 @@ def _stage_list(text: str) -> list:
 def cmd_ladder(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from .bench import format_ladder, format_scaling, run_ladder
-    from .config import RunConfig
+    from .bench import format_ladder, format_phases, format_scaling, run_ladder
+    from .config import BenchConfig
     from .device import resolve_device
     from .plots import save_figures
 
@@ -60,7 +64,7 @@ def cmd_ladder(args: argparse.Namespace) -> int:
                                    ("iterations", args.iterations)) if v is not None}
     if args.scaling_n_envs:
         overrides["scaling_n_envs"] = tuple(args.scaling_n_envs)
-    cfg = RunConfig.from_profile(profile, **overrides)
+    cfg = BenchConfig.from_profile(profile, **overrides)
     bar = tqdm(total=1, desc="ladder", unit="run", disable=args.no_progress)
 
     def progress(i: int, total: int, what: str) -> None:
@@ -74,6 +78,7 @@ def cmd_ladder(args: argparse.Namespace) -> int:
     bar.n = bar.total
     bar.close()
     print(format_ladder(result))
+    print("\nwhere an iteration goes:\n" + format_phases(result))
     if result["scaling"]:
         print("\nscaling sweep:\n" + format_scaling(result))
     stem = f"ladder_{device.type}_{profile}"
@@ -83,14 +88,6 @@ def cmd_ladder(args: argparse.Namespace) -> int:
     failed = [r for r in result["ladder"] + result["scaling"]
               if r["status"].startswith("error")]
     return 1 if failed else 0
-
-
-def _train_stage(text: str) -> str:
-    from .train import check_train_stage
-    try:
-        return check_train_stage(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _non_negative_int(text: str) -> int:
@@ -122,7 +119,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                              "give the same folder")
         cfg, out = None, Path(args.resume)
     else:
-        cfg = TrainConfig(**given)
+        cfg = TrainConfig.flat(**given)
         out = Path(args.out or time.strftime("runs/train-%Y%m%d-%H%M%S"))
     try:
         s = train(cfg, out, resume=bool(args.resume), progress=not args.no_progress)
@@ -180,8 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ladder)
 
     p = sub.add_parser("train", help="train PPO on Forage with one stage's pipeline")
-    p.add_argument("--stage", type=_train_stage, default=None,
-                   help="training stage, 3-8 or a name (default: fused_amp)")
+    p.add_argument("--stage", type=_stage, default=None,
+                   help="stage whose pipeline trains, 0-8 or a name (default: fused_amp)")
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: auto)")
     p.add_argument("--n-envs", type=_positive_int, default=None, help="N (default: 64)")
     p.add_argument("--n-steps", type=_positive_int, default=None,

@@ -1,62 +1,140 @@
-"""Run configuration: typed, validated, with named presets (profiles)."""
+"""Configuration: typed, validated, derived values computed once, named presets.
+
+One spine: ``RunConfig`` is what a pipeline runs (shape, seed, env, PPO); ``BenchConfig`` adds
+how the ladder measures it, and ``labkit.train.TrainConfig`` how long a training run goes.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from .envs.spec import ForageSpec, check_int, check_seed
+from .envs.spec import ForageSpec, check_int, check_n_envs, check_seed
+from .policy import VALUE_HEADS
+from .ppo import PPOConfig
 
 PROFILES = ("quick", "full")
 
 
 @dataclass
 class RunConfig:
-    """What one ladder or training run does. Derived values are computed in ``__post_init__``."""
+    """What one pipeline runs: N envs x T steps per iteration, the env, the agent and PPO."""
 
     n_envs: int = 64
     """Environments stepped in parallel (N)."""
     n_steps: int = 32
     """Rollout length per iteration (T); one iteration = N*T env steps + one PPO update."""
-    iterations: int = 3
-    """Steady-state iterations timed per stage (the first, warmup, iteration is extra)."""
     seed: int = 1
     """Seed for the envs, the model init and action sampling."""
-    scaling_n_envs: tuple[int, ...] = (64, 256, 1024)
-    """N values of the scaling sweep (stages >= 3)."""
-    stage_timeout_s: float = 120.0
-    """A stage stops adding steady-state iterations once this much time was spent (>= 2 run)."""
+    value_head: str = "plain"
+    """Value head: plain, or popart (normalized value targets)."""
+    lr_horizon: int = 1000
+    """Iterations over which the LR anneals linearly to 0 (when ``ppo.anneal_lr``). A training
+    run sets it to its own length, as CleanRL does."""
     spec: ForageSpec = field(default_factory=ForageSpec)
     """The environment."""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    """PPO hyperparameters (CleanRL's defaults)."""
     batch_size: int = field(init=False)
     """N*T, derived."""
 
     def __post_init__(self) -> None:
-        check_int("n_envs", self.n_envs, 1, 2**24)
+        check_n_envs(self.n_envs)
         check_int("n_steps", self.n_steps, 1, 2**20)
-        check_int("iterations", self.iterations, 2, 10_000)
         check_seed(self.seed)
-        for n in self.scaling_n_envs:
-            check_int("scaling_n_envs", n, 1, 2**24)
-        if self.stage_timeout_s <= 0:
-            raise ValueError(f"stage_timeout_s must be > 0, got {self.stage_timeout_s}")
+        if self.value_head not in VALUE_HEADS:
+            raise ValueError(f"value_head must be one of {', '.join(VALUE_HEADS)}; "
+                             f"got {self.value_head!r}")
+        check_int("lr_horizon", self.lr_horizon, 1)
+        _check_type("spec", self.spec, ForageSpec)
+        _check_type("ppo", self.ppo, PPOConfig)
+        self.ppo.check_batch(self.n_envs, self.n_steps)
         self.batch_size = self.n_envs * self.n_steps
-
-    @classmethod
-    def from_profile(cls, name: str, **overrides) -> RunConfig:
-        """Named presets: ``quick`` (CPU/CI, minutes on 2 cores) and ``full`` (GPU)."""
-        presets = {
-            "quick": dict(n_envs=32, n_steps=64, iterations=2,
-                          scaling_n_envs=(16, 64, 256), stage_timeout_s=30.0),
-            "full": dict(n_envs=1024, n_steps=128, iterations=5,
-                         scaling_n_envs=(256, 1024, 4096, 16384, 65536), stage_timeout_s=120.0),
-        }
-        if name not in presets:
-            raise ValueError(f"profile must be one of {', '.join(PROFILES)}; got {name!r}")
-        return cls(**{**presets[name], **overrides})
 
     def replace(self, **changes) -> RunConfig:
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out["spec"] = asdict(self.spec)
-        return {f.name: out[f.name] for f in fields(self)}
+        return {f.name: getattr(self, f.name) if f.name not in ("spec", "ppo")
+                else asdict(getattr(self, f.name)) for f in fields(self) if f.init}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunConfig:
+        init = {f.name for f in fields(cls) if f.init}
+        unknown = set(data) - init
+        if unknown:
+            raise ValueError(f"unknown RunConfig fields {sorted(unknown)}; allowed: "
+                             f"{sorted(init)}")
+        kwargs = dict(data)
+        kwargs["spec"] = ForageSpec(**data.get("spec", {}))
+        kwargs["ppo"] = PPOConfig(**data.get("ppo", {}))
+        return cls(**kwargs)
+
+
+@dataclass
+class BenchConfig:
+    """How the ladder measures: the run, the timed iterations, the scaling sweep."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    """What each stage runs (N, T, seed, env, PPO)."""
+    iterations: int = 3
+    """Steady-state iterations timed per stage, with and again without phase marks (the first,
+    warmup, iteration is extra)."""
+    scaling_n_envs: tuple[int, ...] = (64, 256, 1024)
+    """N values of the scaling sweep (the stages whose env is vectorized on the device)."""
+    stage_timeout_s: float = 120.0
+    """A stage stops adding steady-state iterations once this much time was spent (>= 2 run)."""
+
+    def __post_init__(self) -> None:
+        _check_type("run", self.run, RunConfig)
+        check_int("iterations", self.iterations, 2, 10_000)
+        if not isinstance(self.scaling_n_envs, tuple):
+            raise TypeError(f"scaling_n_envs must be a tuple of ints, got "
+                            f"{type(self.scaling_n_envs).__name__}")
+        for n in self.scaling_n_envs:
+            check_n_envs(n, "scaling_n_envs")
+            self.run.ppo.check_batch(n, self.run.n_steps)
+        if isinstance(self.stage_timeout_s, bool) or not isinstance(
+                self.stage_timeout_s, (int, float)):
+            raise TypeError(f"stage_timeout_s must be a number of seconds, got "
+                            f"{type(self.stage_timeout_s).__name__}")
+        if not (math.isfinite(self.stage_timeout_s) and self.stage_timeout_s > 0):
+            raise ValueError(f"stage_timeout_s must be a finite number > 0, got "
+                             f"{self.stage_timeout_s}")
+
+    @classmethod
+    def from_profile(cls, name: str, **overrides) -> BenchConfig:
+        """Named presets: ``quick`` (CPU/CI, minutes on 2 cores) and ``full`` (GPU).
+        ``overrides`` may name fields of BenchConfig or of its RunConfig."""
+        presets = {
+            "quick": dict(run=dict(n_envs=32, n_steps=64), iterations=2,
+                          scaling_n_envs=(16, 64, 256), stage_timeout_s=30.0),
+            "full": dict(run=dict(n_envs=1024, n_steps=128), iterations=5,
+                         scaling_n_envs=(256, 1024, 4096, 16384, 65536), stage_timeout_s=120.0),
+        }
+        if name not in presets:
+            raise ValueError(f"profile must be one of {', '.join(PROFILES)}; got {name!r}")
+        preset = presets[name]
+        run, own = split_run_fields(overrides)
+        return cls(run=RunConfig(**{**preset.pop("run"), **run}), **{**preset, **own})
+
+    def replace(self, **changes) -> BenchConfig:
+        """A copy with ``changes`` to fields of BenchConfig or of its RunConfig."""
+        run, own = split_run_fields(changes)
+        return replace(self, run=self.run.replace(**run), **own)
+
+    def to_dict(self) -> dict:
+        return {"run": self.run.to_dict(), "iterations": self.iterations,
+                "scaling_n_envs": list(self.scaling_n_envs),
+                "stage_timeout_s": self.stage_timeout_s}
+
+
+def split_run_fields(kwargs: dict) -> tuple[dict, dict]:
+    """(the items of ``kwargs`` that are RunConfig fields, the others)."""
+    names = {f.name for f in fields(RunConfig) if f.init}
+    return ({k: v for k, v in kwargs.items() if k in names},
+            {k: v for k, v in kwargs.items() if k not in names})
+
+
+def _check_type(name: str, value: object, cls: type) -> None:
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")

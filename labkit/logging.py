@@ -12,30 +12,23 @@ any device; a 0-d tensor is written as a number, a 1-d tensor as a list.
 """
 from __future__ import annotations
 
-import json
 import numbers
 import os
 import queue
 import threading
 import weakref
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO
 
 import torch
+
+from .files import dumps
 
 Value = int | float | bool | torch.Tensor
 Target = str | os.PathLike | IO[str]
 
 _STOP = object()
 _FLUSH = object()
-
-
-class Logger(Protocol):
-    def log(self, step: int, **values: Value) -> None: ...
-    def flush(self) -> None: ...
-    def close(self) -> None: ...
-    def __enter__(self) -> Logger: ...
-    def __exit__(self, *exc: object) -> None: ...
 
 
 def _open(target: Target, mode: str) -> tuple[IO[str], bool]:
@@ -101,7 +94,7 @@ class SyncLogger(_LoggerBase):
         record = {"step": step}
         for key, value in values.items():
             record[key] = _to_python(_check(key, value))  # host sync per tensor value
-        self._stream.write(json.dumps(record) + "\n")
+        self._stream.write(dumps(record) + "\n")
 
     def flush(self) -> None:
         if self._finalizer.alive:
@@ -149,7 +142,7 @@ class _Writer:
         for event in events:
             event.synchronize()  # the D2H copies of this record have landed in pinned memory
         record = {"step": step, **{k: _to_python(v) for k, v in values.items()}}
-        self.stream.write(json.dumps(record) + "\n")
+        self.stream.write(dumps(record) + "\n")
         if self.queue.empty():  # idle: make the file current for readers tailing it
             self.stream.flush()
 

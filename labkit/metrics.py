@@ -1,10 +1,11 @@
 """Episode statistics: the eager host-side way and the device-side way (stage 6).
 
-Both take, every env step, what the envs put in ``info``: ``done`` bool (N,), ``episode_return``
-float32 (N,) (0 where not done) and ``episode_length`` int64 (N,), and both return the same
-``summary()`` dict, then start a new window:
+Both are built as ``cls(device=...)``, take, every env step, what the envs put in ``info``:
+``done`` bool (N,), ``episode_return`` float32 (N,) (0 where not done) and ``episode_length``
+int64 (N,), and both return the same ``summary()`` dict, then start a new window:
 ``episodes``, ``mean_return``, ``std_return``, ``min_return``, ``max_return``, ``mean_length``
-(NaN for the statistics when no episode finished).
+(NaN for the statistics when no episode finished). Their ``state_dict()`` is part of the
+pipeline's state (empty at an iteration boundary, where ``summary()`` has just reset it).
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ def _summarize(count: float, sum_return: float, sum_sq_return: float, sum_length
 
 
 class EagerEpisodeStats:
-    """Reference: copy finished episodes to Python lists every step (host syncs every step)."""
+    """Reference: copy finished episodes to Python lists every step (host syncs every step).
+    ``device`` is unused (the lists live on the host)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
         self.returns: list[float] = []
         self.lengths: list[int] = []
 
@@ -49,6 +51,12 @@ class EagerEpisodeStats:
 
     def reset(self) -> None:
         self.returns, self.lengths = [], []
+
+    def state_dict(self) -> dict:
+        return {"returns": list(self.returns), "lengths": list(self.lengths)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.returns, self.lengths = list(state["returns"]), list(state["lengths"])
 
 
 class DeviceEpisodeStats:
@@ -89,3 +97,12 @@ class DeviceEpisodeStats:
         self._sums.zero_()
         self._min.fill_(math.inf)
         self._max.fill_(-math.inf)
+
+    def state_dict(self) -> dict:
+        return {"sums": self._sums.clone(), "min": self._min.clone(), "max": self._max.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        # In place: a captured rollout step holds these accumulators.
+        self._sums.copy_(state["sums"])
+        self._min.copy_(state["min"])
+        self._max.copy_(state["max"])

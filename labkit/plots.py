@@ -1,4 +1,5 @@
-"""Figures of a ladder result: ladder bars (log axis), scaling lines, learning curves."""
+"""Figures of a ladder result: ladder bars (log axis), phase bars, scaling lines, learning
+curves."""
 from __future__ import annotations
 
 import math
@@ -99,7 +100,8 @@ def save_figures(result: dict, out_dir: str | Path, stem: str) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for suffix, draw in (("ladder", ladder_bars), ("scaling", scaling_lines)):
+    for suffix, draw in (("ladder", ladder_bars), ("scaling", scaling_lines),
+                         ("phases", lambda r: phase_bars(r["ladder"], title=_title(r)))):
         ax = draw(result)
         paths.append(out_dir / f"{stem}_{suffix}.png")
         ax.figure.savefig(paths[-1], dpi=120)
@@ -111,3 +113,27 @@ def save_figures(result: dict, out_dir: str | Path, stem: str) -> list[Path]:
     axes[0].figure.savefig(paths[-1], dpi=120)
     plt.close(axes[0].figure)
     return paths
+
+
+def phase_bars(rows: list[dict], ax=None, title: str | None = None):
+    """Stacked bars: milliseconds per iteration in each phase, one bar per measured row."""
+    from .timing import PHASES
+
+    plt = _plt()
+    rows = [r for r in rows if r.get("status") == "ok" and r.get("phase_ms")]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(4, 1.1 * len(rows) + 2), 3.5))
+    names = [f"{r['stage']} {r['name']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for key, label in PHASES.items():
+        values = [r["phase_ms"].get(key, 0.0) for r in rows]
+        if not any(v > 0 for v in values):
+            continue
+        ax.bar(range(len(rows)), values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(rows)), names, rotation=30, ha="right")
+    ax.set_ylabel("ms per iteration")
+    ax.set_title(title or "Where an iteration goes")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.figure.tight_layout()
+    return ax

@@ -162,21 +162,10 @@ class Agent(nn.Module):
         """Value in return space (for bootstrapping GAE)."""
         return self.value_head.denormalize(self.value_head(self.body(obs.float())))
 
-    @torch.no_grad()
     def act(self, obs: torch.Tensor, generator: torch.Generator | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample actions on the device: (action int64 (B,), logprob (B,), value (B,)).
-
-        The value is in return space (what GAE needs). Gumbel-max, argmax(logp - log E) with
-        E ~ Exp(1), because ``torch.multinomial`` checks its input with a host sync on CUDA.
-        ``generator`` must live on the same device as ``obs``.
-        """
-        logits, value = self(obs)
-        logp = logits.float().log_softmax(-1)
-        noise = torch.empty_like(logp).exponential_(generator=generator)
-        action = (logp - noise.log()).argmax(-1)
-        return action, logp.gather(-1, action[:, None]).squeeze(-1), \
-            self.value_head.denormalize(value)
+        """Sample actions on the device: :func:`sample_action` with this agent."""
+        return sample_action(self, obs, generator)
 
     def evaluate(self, obs: torch.Tensor, action: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -185,3 +174,22 @@ class Agent(nn.Module):
         logp = logits.float().log_softmax(-1)
         entropy = -(logp.exp() * logp).sum(-1)
         return logp.gather(-1, action.long()[:, None]).squeeze(-1), entropy, value
+
+
+@torch.no_grad()
+def sample_action(net: nn.Module, obs: torch.Tensor, generator: torch.Generator | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(action int64 (B,), logprob (B,), value (B,)) from ``net``: an :class:`Agent`, or
+    ``torch.compile(agent)``, which shares its parameters.
+
+    The value is in return space (what GAE needs). Sampling is a Gumbel-max,
+    argmax(logp - log E) with E ~ Exp(1), on the device: ``torch.multinomial`` checks its input
+    with a host sync on CUDA. ``generator`` must live on the same device as ``obs``; it stays
+    outside any compiled region (dynamo does not trace generators).
+    """
+    logits, value = net(obs)
+    logp = logits.float().log_softmax(-1)
+    noise = torch.empty_like(logp).exponential_(generator=generator)
+    action = (logp - noise.log()).argmax(-1)
+    return action, logp.gather(-1, action[:, None]).squeeze(-1), \
+        net.value_head.denormalize(value)

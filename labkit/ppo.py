@@ -7,6 +7,7 @@ replayed as CUDA graphs, and metered with :class:`labkit.syncmeter.SyncMeter`.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from functools import partial
@@ -73,8 +74,8 @@ class PPOConfig:
 def _check_float(name: str, value: object, low: float, allowed: str, high: float | None = None,
                  strict: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
-    if value != value or value < low or (strict and value == low) or (
+        raise TypeError(f"{name} must be a number {allowed}, got {value!r}")
+    if not math.isfinite(value) or value < low or (strict and value == low) or (
             high is not None and value > high):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
@@ -185,32 +186,35 @@ def fused_clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> to
     return total
 
 
-def minibatch_step(agent: nn.Module, optimizer: torch.optim.Optimizer, mb: Batch,
-                   cfg: PPOConfig,
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def minibatch_step(mb: Batch, *, loss_fn: LossFn, optimizer: torch.optim.Optimizer,
+                   params: list[torch.Tensor], max_grad_norm: float,
                    clip_grad: Callable[[Iterable[torch.Tensor], float], torch.Tensor]
                    = fused_clip_grad_norm_,
                    autocast: Callable[[], contextlib.AbstractContextManager]
                    = contextlib.nullcontext,
                    scaler: torch.amp.GradScaler | None = None) -> dict[str, torch.Tensor]:
-    """One Adam step on one minibatch: loss, backward, grad clip, optimizer step.
+    """One optimizer step on one minibatch: loss, backward, grad clip, optimizer step.
 
-    ``autocast`` wraps the forward and loss only (e.g. ``lambda: torch.autocast("cuda",
-    torch.bfloat16)``); ``scaler`` (fp16 only) scales the loss and unscales before clipping.
+    ``loss_fn(obs, actions, logprobs, advantages, returns, values) -> (loss, stats)`` is
+    :func:`ppo_loss` bound to the agent (eager or compiled). ``autocast`` wraps the forward and
+    loss only; ``scaler`` (fp16 only) scales the loss and unscales before clipping.
     Returns the loss stats and ``grad_norm`` (before clipping) as 0-d tensors.
     """
     with autocast():
-        loss, stats = ppo_loss(agent, mb.obs, mb.actions, mb.logprobs, mb.advantages,
-                               mb.returns, mb.values, cfg)
+        loss, stats = loss_fn(mb.obs, mb.actions, mb.logprobs, mb.advantages, mb.returns,
+                              mb.values)
     optimizer.zero_grad(set_to_none=True)
-    params = [p for p in agent.parameters() if p.requires_grad]
     if scaler is None:
         loss.backward()
-        stats["grad_norm"] = clip_grad(params, cfg.max_grad_norm)
+        stats["grad_norm"] = clip_grad(params, max_grad_norm)
         optimizer.step()
     else:
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
-        stats["grad_norm"] = clip_grad(params, cfg.max_grad_norm)
+        stats["grad_norm"] = clip_grad(params, max_grad_norm)
         scaler.step(optimizer)  # reads found-inf on the host: fp16's price
         scaler.update()
     return stats
@@ -218,26 +222,26 @@ def minibatch_step(agent: nn.Module, optimizer: torch.optim.Optimizer, mb: Batch
 
 def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch | Mapping,
                cfg: PPOConfig, generator: torch.Generator | None = None,
-               clip_grad: Callable[[Iterable[torch.Tensor], float], torch.Tensor]
-               = fused_clip_grad_norm_,
-               autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                step: Callable[[Batch], dict[str, torch.Tensor]] | None = None,
-               ) -> dict[str, torch.Tensor]:
-    """``cfg.update_epochs`` epochs x ``cfg.n_minibatches`` minibatches of Adam steps.
+               clip_grad: Callable[[Iterable[torch.Tensor], float], torch.Tensor]
+               = fused_clip_grad_norm_) -> dict[str, torch.Tensor]:
+    """``cfg.update_epochs`` epochs x ``cfg.n_minibatches`` minibatches of optimizer steps.
 
     Order: first ``agent.value_head.update_stats(batch.returns)`` (PopArt moves its statistics
     and rescales its layer, preserving outputs), then the epochs; each minibatch maps returns
     and old values to training space with the updated statistics. Minibatches are shuffled with
     ``torch.randperm`` on the batch's device (``generator``, on that device, for determinism).
-    ``step`` runs one minibatch (default: :func:`minibatch_step` with ``clip_grad`` and
-    ``autocast``); the ladder swaps in a compiled or CUDA-graphed one. Returns the means over
-    all minibatches of the loss stats and ``grad_norm`` (before clipping), as 0-d tensors.
+    ``step`` runs one minibatch (default: eager :func:`minibatch_step` with ``clip_grad``); the
+    ladder passes the one its stage builds (compiled, mixed precision, replayed as a graph).
+    Returns the means over all minibatches of the loss stats and ``grad_norm`` (before
+    clipping), as 0-d tensors.
     """
     if isinstance(batch, Mapping):
         batch = Batch(**batch)
     if step is None:
-        step = partial(minibatch_step, agent, optimizer, cfg=cfg, clip_grad=clip_grad,
-                       autocast=autocast)
+        step = partial(minibatch_step, loss_fn=partial(ppo_loss, agent, cfg=cfg),
+                       optimizer=optimizer, params=list(agent.parameters()),
+                       max_grad_norm=cfg.max_grad_norm, clip_grad=clip_grad)
     n = batch.obs.shape[0]
     mb = cfg.check_batch(n, 1)
     agent.value_head.update_stats(batch.returns)
@@ -247,23 +251,6 @@ def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch 
         for start in range(0, n, mb):
             history.append(step(batch.index(perm[start:start + mb])))
     return {k: torch.stack([s[k] for s in history]).mean() for k in history[0]}
-
-
-def make_optimizer(agent: nn.Module, cfg: PPOConfig, fused: bool = False,
-                   capturable: bool = False) -> torch.optim.Adam:
-    """Adam(lr, eps). With ``fused`` or ``capturable`` the LR is a 0-d tensor on the parameters'
-    device, so ``set_lr`` updates it in place and compiled code / CUDA graphs see the new value;
-    otherwise it is a float (torch's default Adam does not take a tensor LR on its fast paths).
-    """
-    device = next(agent.parameters()).device
-    if capturable and not fused and device.type == "cpu":
-        raise ValueError("capturable=True needs CUDA parameters (or fused=True); "
-                         f"parameters are on {device}")
-    lr: float | torch.Tensor = cfg.lr
-    if fused or capturable:
-        lr = torch.tensor(cfg.lr, dtype=torch.float32, device=device)
-    return torch.optim.Adam(agent.parameters(), lr=lr, eps=cfg.adam_eps, fused=fused or None,
-                            capturable=capturable)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float | torch.Tensor) -> None:
@@ -281,8 +268,10 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float | torch.Tensor) -> None:
 def anneal_lr(optimizer: torch.optim.Optimizer, base_lr: float,
               iteration: int | torch.Tensor, n_iterations: int) -> float | torch.Tensor:
     """Linear annealing: ``lr = base_lr * (1 - iteration / n_iterations)`` with 0-based
-    ``iteration`` (CleanRL's schedule), set with :func:`set_lr`; returns the LR.
-    ``iteration`` may be a device tensor (a step counter inside a CUDA graph)."""
-    lr = base_lr * (1.0 - iteration / n_iterations)
+    ``iteration`` (CleanRL's schedule), 0 past the horizon, set with :func:`set_lr`; returns
+    the LR. ``iteration`` may be a device tensor (a step counter inside a CUDA graph)."""
+    frac = 1.0 - iteration / n_iterations
+    frac = frac.clamp(min=0.0) if isinstance(frac, torch.Tensor) else max(frac, 0.0)
+    lr = base_lr * frac
     set_lr(optimizer, lr)
     return lr

@@ -1,13 +1,18 @@
-"""Collectors: step N envs for T steps with the policy and fill a rollout on the device.
+"""Collectors: one env step with the policy at a time, written into rollout storage on the device.
 
-Three collectors, one per lesson, one interface (``collect() -> Rollout``):
+Three collectors, one per lesson, one interface. Each is built with keywords only (an env
+*instance*, the rollout length, the policy's ``act``, the metrics component, the device, the
+phase clock) and each ``step()`` does one env step for all N envs: policy, env, storage writes,
+episode statistics. The pipeline calls ``step`` T times per rollout (eagerly, or replayed as a
+CUDA graph by its rollout executor) and logs after each.
 
 * ``PerEnvCollector`` (stage 0): a Python object per env, a policy forward per env, ``.item()``
   per action.
 * ``HostBatchedCollector`` (stage 1): vectorized NumPy envs and one batched forward, but the
   observations go host->device and the actions device->host every step.
-* ``DeviceCollector`` (stages 2+): env state already on the device; nothing leaves it unless the
-  logger or the metrics read it.
+* ``DeviceCollector`` (stages 2+): env state already on the device; nothing leaves it unless
+  the env, the logger or the metrics read it. Its step is written capture-safe: static
+  buffers updated in place, storage rows written at a device-side step counter.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from .envs import ForagePy, ForageSpec
+from .timing import PhaseClock
 
 
 @dataclass
@@ -34,140 +39,169 @@ class Rollout:
     @classmethod
     def zeros(cls, n_steps: int, n_envs: int, obs_shape: tuple[int, ...],
               device: torch.device) -> Rollout:
-        z = lambda *shape, dtype=torch.float32: torch.zeros(  # noqa: E731
-            (n_steps, n_envs, *shape), dtype=dtype, device=device)
+        def z(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.zeros((n_steps, n_envs, *shape), dtype=dtype, device=device)
         return cls(obs=z(*obs_shape), actions=z(dtype=torch.int64), logprobs=z(), values=z(),
                    rewards=z(), dones=z())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def write(self, t: torch.Tensor, **rows: torch.Tensor) -> None:
+        """Write one (N, ...) row per field at step ``t``, a (1,) device tensor: no host read,
+        and the same kernels whatever ``t`` is (so a CUDA graph can replay them)."""
+        for name, row in rows.items():
+            getattr(self, name).index_copy_(0, t, row.unsqueeze(0))
+
 
 ActFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class Collector:
-    """Shared bookkeeping; subclasses implement ``reset`` and ``step(t)``."""
+    """Storage, the done flags that came with the current observation, the step counter, the
+    mean reward of the last step (what the pipeline logs) and the state to checkpoint."""
 
-    def __init__(self, n_envs: int, n_steps: int, spec: ForageSpec, seed: int,
-                 device: torch.device, act: ActFn, logger, metrics) -> None:
-        self.n_envs, self.n_steps, self.spec, self.seed = n_envs, n_steps, spec, seed
-        self.device, self.act, self.logger, self.metrics = device, act, logger, metrics
-        self.storage = Rollout.zeros(n_steps, n_envs, spec.obs_shape, device)
-        self.global_step = 0
-        self.make_envs()
+    def __init__(self, *, env, n_steps: int, act: ActFn, metrics, device: torch.device,
+                 clock: PhaseClock | None = None) -> None:
+        self.env, self.n_envs, self.n_steps = env, env.n_envs, n_steps
+        self.act, self.metrics, self.device = act, metrics, device
+        self.clock = clock if clock is not None else PhaseClock(device)
+        self.storage = Rollout.zeros(n_steps, self.n_envs, env.spec.obs_shape, device)
+        self.t = torch.zeros(1, dtype=torch.int64, device=device)
+        self.done = torch.zeros(self.n_envs, device=device)
+        self.reward_mean = torch.zeros((), device=device)
         self.reset()
 
-    def make_envs(self) -> None:
-        raise NotImplementedError
-
     def reset(self) -> None:
-        """Back to the first observation of ``seed`` (used after a warmup iteration)."""
-        raise NotImplementedError
+        """Every env back to the first observation of its seed."""
+        self.env.reset()
+        self.done.zero_()
+        self.t.zero_()
+        self._observe()
 
-    def step(self, t: int) -> None:
+    def _observe(self) -> None:
+        """Refresh the current observation from the env's state."""
         raise NotImplementedError
 
     def next_obs(self) -> torch.Tensor:
         """The observation after the last step, on the device (for the bootstrap value)."""
-        return self.obs
+        raise NotImplementedError
 
-    def collect(self) -> Rollout:
-        with torch.no_grad():
-            for t in range(self.n_steps):
-                self.step(t)
-                self.global_step += self.n_envs
-        return self.storage
+    def step(self) -> None:
+        raise NotImplementedError
 
-    def _store(self, t: int, obs, action, logprob, value) -> None:
-        s = self.storage
-        s.obs[t], s.actions[t], s.logprobs[t], s.values[t] = obs, action, logprob, value
-        s.dones[t] = self.done
+    def _finish_step(self, reward: torch.Tensor, done: torch.Tensor) -> None:
+        self.storage.write(self.t, rewards=reward)
+        self.done.copy_(done)
+        self.reward_mean.copy_(reward.mean())
+        self.t.add_(1).remainder_(self.n_steps)
+
+    def state_dict(self) -> dict:
+        return {"env": self.env.state_dict(), "done": self.done.clone(), "t": self.t.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.env.load_state_dict(state["env"])
+        self.done.copy_(state["done"])
+        self.t.copy_(state["t"])
+        self._observe()
 
 
 class PerEnvCollector(Collector):
-    """Stage 0: one ``ForagePy`` per env, a forward and an ``.item()`` per env per step."""
+    """Stage 0: a ``ForagePyList``; a forward and an ``.item()`` per env per step."""
 
-    def make_envs(self) -> None:
-        self.envs = [ForagePy(self.spec, self.seed, env_index=i) for i in range(self.n_envs)]
-
-    def reset(self) -> None:
-        self.host_obs = [env.reset(seed=self.seed)[0] for env in self.envs]
-        self.done = torch.zeros(self.n_envs, device=self.device)
+    def _observe(self) -> None:
+        self.host_obs = self.env.observation()
 
     def next_obs(self) -> torch.Tensor:
         return torch.tensor(self.host_obs, device=self.device)
 
-    def step(self, t: int) -> None:
+    def step(self) -> None:
+        clock, dev = self.clock, self.device
+        obs_rows, actions, logprobs, values = [], [], [], []
         rewards, dones, ep_returns, ep_lengths = [], [], [], []
-        for i, env in enumerate(self.envs):
-            obs = torch.tensor(self.host_obs[i], device=self.device)
+        for i, env in enumerate(self.env):
+            obs = torch.tensor(self.host_obs[i], device=dev)  # one env's obs, host -> device
+            clock.lap("io")
             action, logprob, value = self.act(obs[None])
             a = action.item()  # host read per env: the naive baseline
-            self.storage.obs[t, i], self.storage.actions[t, i] = obs, action[0]
-            self.storage.logprobs[t, i], self.storage.values[t, i] = logprob[0], value[0]
+            clock.lap("policy")
             self.host_obs[i], reward, term, trunc, info = env.step(a)
+            clock.lap("env")
+            obs_rows.append(obs)
+            actions.append(action[0])
+            logprobs.append(logprob[0])
+            values.append(value[0])
             rewards.append(reward)
             dones.append(term or trunc)
             ep_returns.append(info.get("episode_return", 0.0))
             ep_lengths.append(info.get("episode_length", 0))
-            self.logger.log(self.global_step + i, reward=reward)
-        self.storage.dones[t] = self.done
-        self.storage.rewards[t] = torch.tensor(rewards, device=self.device)
-        done = torch.tensor(dones, device=self.device)
-        self.done = done.float()
-        self.metrics.update(done, torch.tensor(ep_returns, device=self.device),
-                            torch.tensor(ep_lengths, device=self.device))
+        self.storage.write(self.t, obs=torch.stack(obs_rows), actions=torch.stack(actions),
+                           logprobs=torch.stack(logprobs), values=torch.stack(values),
+                           dones=self.done)
+        done = torch.tensor(dones, device=dev)
+        self._finish_step(torch.tensor(rewards, device=dev), done)
+        clock.lap("io")
+        self.metrics.update(done, torch.tensor(ep_returns, device=dev),
+                            torch.tensor(ep_lengths, device=dev))
+        clock.lap("metrics")
 
 
 class HostBatchedCollector(Collector):
     """Stage 1: vectorized NumPy envs, one batched forward, transfers both ways every step."""
 
-    def make_envs(self) -> None:
-        from .envs import ForageNumpy
-        self.env = ForageNumpy(self.n_envs, self.spec, self.seed)
-
-    def reset(self) -> None:
-        self.host_obs = self.env.reset(seed=self.seed)[0]
-        self.done = torch.zeros(self.n_envs, device=self.device)
+    def _observe(self) -> None:
+        self.host_obs = self.env.observation()
 
     def next_obs(self) -> torch.Tensor:
         return torch.from_numpy(self.host_obs).to(self.device)
 
-    def step(self, t: int) -> None:
-        obs = torch.from_numpy(self.host_obs).to(self.device)  # host -> device every step
+    def step(self) -> None:
+        clock, dev = self.clock, self.device
+        obs = torch.from_numpy(self.host_obs).to(dev)  # host -> device every step
+        clock.lap("io")
         action, logprob, value = self.act(obs)
-        self._store(t, obs, action, logprob, value)
+        self.storage.write(self.t, obs=obs, actions=action, logprobs=logprob, values=value,
+                           dones=self.done)
+        clock.lap("policy")
         actions = action.cpu().numpy()  # device -> host every step: stage 1's sync
+        clock.lap("io")
         self.host_obs, reward, term, trunc, info = self.env.step(actions)
-        self.storage.rewards[t] = torch.from_numpy(reward).to(self.device)
-        done = torch.from_numpy(np.logical_or(term, trunc)).to(self.device)
-        self.done = done.float()
-        self.logger.log(self.global_step, reward=self.storage.rewards[t].mean())
-        self.metrics.update(done, torch.from_numpy(info["episode_return"]).to(self.device),
-                            torch.from_numpy(info["episode_length"]).to(self.device))
+        clock.lap("env")
+        done = torch.from_numpy(np.logical_or(term, trunc)).to(dev)
+        self._finish_step(torch.from_numpy(reward).to(dev), done)
+        episode_return = torch.from_numpy(info["episode_return"]).to(dev)
+        episode_length = torch.from_numpy(info["episode_length"]).to(dev)
+        clock.lap("io")
+        self.metrics.update(done, episode_return, episode_length)
+        clock.lap("metrics")
 
 
 class DeviceCollector(Collector):
-    """Stages 2+: the env lives on the device (``ForageTorchLoop`` or ``ForageTorch``)."""
+    """Stages 2+: the env lives on the device (``ForageTorchLoop`` or ``ForageTorch``).
 
-    def __init__(self, *args, env_cls=None, **kwargs) -> None:
-        self.env_cls = env_cls
-        super().__init__(*args, **kwargs)
+    ``step`` is capture-safe whenever its env and metrics are: fixed shapes, the observation
+    and done flags updated in place, storage written at the device-side counter ``t``.
+    """
 
-    def make_envs(self) -> None:
-        self.env = self.env_cls(self.n_envs, self.spec, self.seed, device=self.device)
+    def _observe(self) -> None:
+        obs = self.env.observation()
+        if not hasattr(self, "obs"):
+            self.obs = torch.empty_like(obs)
+        self.obs.copy_(obs)  # in place: a captured step reads this very buffer
 
-    def reset(self) -> None:
-        self.obs = self.env.reset(seed=self.seed)[0]
-        self.done = torch.zeros(self.n_envs, device=self.device)
+    def next_obs(self) -> torch.Tensor:
+        return self.obs
 
-    def step(self, t: int) -> None:
+    def step(self) -> None:
+        clock = self.clock
         action, logprob, value = self.act(self.obs)
-        self._store(t, self.obs, action, logprob, value)
-        self.obs, reward, term, trunc, info = self.env.step(action)
+        self.storage.write(self.t, obs=self.obs, actions=action, logprobs=logprob, values=value,
+                           dones=self.done)
+        clock.lap("policy")
+        obs, reward, term, trunc, info = self.env.step(action)
         done = term | trunc
-        self.storage.rewards[t] = reward
-        self.done = done.float()
-        self.logger.log(self.global_step, reward=reward.mean())
+        self.obs.copy_(obs)
+        self._finish_step(reward, done)
+        clock.lap("env")
         self.metrics.update(done, info["episode_return"], info["episode_length"])
+        clock.lap("metrics")

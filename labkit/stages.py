@@ -1,26 +1,54 @@
 """The ladder: each stage is a named composition of components, one lesson away from the last.
 
-A ``Stage`` only names parts (collector, env, logger, metrics, compile, fused optimizer + AMP,
-CUDA graphs); ``Pipeline`` assembles them into one training iteration (rollout of T steps x N
-envs, GAE, PPO update). Every stage runs the same Forage dynamics and the same PPO math.
+A ``Stage`` only says which component fills each slot:
+
+====================  ======================================================================
+slot                  what it decides
+====================  ======================================================================
+``env``               the Forage implementation (Python objects, NumPy, torch loop, torch)
+``collector``         how one env step with the policy is done and stored
+``logger``            how the per-step log record leaves the hot path
+``metrics``           where episode statistics are aggregated
+``optimizer``         which Adam, and its grad clip
+``precision``         fp32, or mixed precision where the device has it
+``rollout``           how the policy and each rollout step execute (eager/compiled/graphed)
+``update``            how the loss and each minibatch step execute (eager/compiled/graphed)
+====================  ======================================================================
+
+Nothing outside a component asks which stage it is in; a component that needs something of the
+device (CUDA, bf16) says so in ``requires``, and a stage's ``skip_reason`` is derived from that.
+``Pipeline`` assembles a stage into one training iteration (rollout of T steps x N envs, GAE,
+PPO update) and owns its whole state. Every stage runs the same Forage dynamics and PPO math.
 """
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from .capture import clone_state, load_optimizer_state_
 from .config import RunConfig
-from .envs import ForageTorch, ForageTorchLoop
-from .graphs import GraphedCollector
+from .device import has_bf16, resolve_device
+from .envs import ForageNumpy, ForagePyList, ForageTorch, ForageTorchLoop
+from .executors import Compiled, Eager, Graphed
 from .logging import AsyncLogger, SyncLogger
 from .metrics import DeviceEpisodeStats, EagerEpisodeStats
-from .policy import Agent
-from .ppo import Batch, PPOConfig, anneal_lr, gae, make_optimizer
-from .rollout import DeviceCollector, HostBatchedCollector, PerEnvCollector
-from .update import make_updater
+from .policy import Agent, sample_action
+from .ppo import Batch, anneal_lr, gae
+from .rollout import DeviceCollector, HostBatchedCollector, PerEnvCollector, Rollout
+from .timing import PhaseClock
+from .update import Adam, FusedAdam, amp, build_update, fp32
+
+#: What each name in a component's ``requires`` means, and the skip reason when it is missing.
+REQUIREMENTS = {
+    "cuda": (lambda device: device.type == "cuda", "needs CUDA"),
+    "bf16": (has_bf16, "needs bf16 (with fp16, AMP's GradScaler reads the host, which a CUDA "
+                       "graph cannot capture)"),
+}
 
 
 @dataclass(frozen=True)
@@ -30,42 +58,54 @@ class Stage:
     index: int
     name: str
     lesson: str
+    env: type = ForagePyList
     collector: type = PerEnvCollector
-    env: type | None = None
     logger: type = SyncLogger
     metrics: type = EagerEpisodeStats
-    compile: bool = False
-    fused_amp: bool = False
-    graphs: bool = False
+    optimizer: Adam = Adam()
+    precision: Any = fp32
+    rollout: Eager | Graphed = Eager()
+    update: Eager | Graphed = Eager()
+
+    def components(self) -> dict[str, Any]:
+        """The slots and what fills them."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("index", "name", "lesson")}
 
     def skip_reason(self, device: torch.device) -> str | None:
-        """Why this stage cannot run on ``device`` (None if it can)."""
-        if self.graphs and device.type != "cuda":
-            return "needs CUDA"
-        if self.graphs and not torch.cuda.is_bf16_supported():
-            return "needs bf16 (fp16's GradScaler reads the host, which graphs cannot capture)"
+        """Why this stage cannot run on ``device`` (None if it can), from its components."""
+        for part in self.components().values():
+            for need in getattr(part, "requires", ()):
+                available, reason = REQUIREMENTS[need]
+                if not available(device):
+                    return reason
         return None
+
+    @property
+    def scales(self) -> bool:
+        """Worth sweeping over N: its env steps every env in one batch of device ops."""
+        return getattr(self.env, "vectorized_on_device", False)
 
 
 def _ladder() -> tuple[Stage, ...]:
     s0 = Stage(0, "python_loop", "naive baseline: per-env objects, forwards and .item()")
     s1 = replace(s0, index=1, name="numpy_vec", lesson="vectorize: NumPy envs, one forward",
-                 collector=HostBatchedCollector)
+                 env=ForageNumpy, collector=HostBatchedCollector)
     s2 = replace(s1, index=2, name="torch_state", lesson="GPU state alone is not enough",
-                 collector=DeviceCollector, env=ForageTorchLoop)
+                 env=ForageTorchLoop, collector=DeviceCollector)
     s3 = replace(s2, index=3, name="batched_ops", lesson="batch everything: a vectorized step",
                  env=ForageTorch)
     s4 = replace(s3, index=4, name="async_logging", lesson="log off the hot path",
                  logger=AsyncLogger)
     s5 = replace(s4, index=5, name="compile_warmup", lesson="compile, and warm up off the clock",
-                 compile=True)
+                 rollout=Compiled(), update=Compiled())
     s6 = replace(s5, index=6, name="gpu_metrics", lesson="aggregate metrics on the device",
                  metrics=DeviceEpisodeStats)
-    s7 = replace(s6, index=7, name="fused_amp",
-                 lesson="fused Adam, AMP, fused grad clip, branch-free value head",
-                 fused_amp=True)
-    s8 = replace(s7, index=8, name="cuda_graphs", lesson="replay rollout step and update as "
-                 "CUDA graphs", collector=GraphedCollector, graphs=True)
+    s7 = replace(s6, index=7, name="fused_amp", lesson="fused Adam and grad clip, mixed precision",
+                 optimizer=FusedAdam(), precision=amp)
+    s8 = replace(s7, index=8, name="cuda_graphs",
+                 lesson="replay rollout step and update as CUDA graphs",
+                 rollout=Graphed(s7.rollout), update=Graphed(s7.update, requires=("cuda", "bf16")))
     return (s0, s1, s2, s3, s4, s5, s6, s7, s8)
 
 
@@ -73,21 +113,18 @@ STAGES: tuple[Stage, ...] = _ladder()
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
 
-def get_stage(key: int | str) -> Stage:
-    """A stage by index or name; a clear error otherwise."""
+def get_stage(key: Stage | int | str) -> Stage:
+    """A stage by index (int or digit string) or name; a clear error otherwise."""
+    if isinstance(key, Stage):
+        return key
+    if isinstance(key, str) and key.strip().isdigit():
+        key = int(key)
     for s in STAGES:
-        if key == s.index or key == s.name or (isinstance(key, str) and key == str(s.index)):
+        if (isinstance(key, int) and not isinstance(key, bool) and key == s.index) \
+                or key == s.name:
             return s
     raise ValueError(f"stage must be one of 0-{len(STAGES) - 1} or {', '.join(STAGE_NAMES)}; "
                      f"got {key!r}")
-
-
-def precision_for(stage: Stage, device: torch.device) -> str:
-    """bf16 autocast where the GPU supports it, fp16 (+ GradScaler) on older GPUs, fp32 on the
-    CPU: autocast there runs bf16 matmuls without AMX and does not pay for this small model."""
-    if not stage.fused_amp or device.type != "cuda":
-        return "fp32"
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
 
 
 class StageSkipped(RuntimeError):
@@ -95,56 +132,75 @@ class StageSkipped(RuntimeError):
 
 
 class Pipeline:
-    """One stage assembled on a device: ``iteration()`` = rollout + GAE + PPO update."""
+    """One stage assembled on a device: ``iteration()`` = rollout + GAE + PPO update.
 
-    def __init__(self, stage: Stage, cfg: RunConfig, device: torch.device,
-                 ppo: PPOConfig | None = None, log_dir: str | Path | None = None,
-                 value_head: str = "plain", n_iterations: int | None = None) -> None:
+    It owns its state: ``state_dict()`` (device-side copies of model, optimizer, env, collector,
+    metrics, sampling generator and counters), ``load_state_dict()`` (in place) and ``reset()``
+    (back to the state it was built with). Building one touches no process-global state: the
+    model is initialized from ``cfg.seed`` under a forked RNG, and compiled functions are this
+    pipeline's own (torch.compile keeps at most 8 compiled versions of one function per process;
+    a harness that builds many compiled pipelines resets dynamo between them, see labkit.bench).
+    """
+
+    def __init__(self, stage: Stage | int | str, cfg: RunConfig | None = None,
+                 device: torch.device | str = "auto", *,
+                 log_dir: str | Path | None = None) -> None:
+        self.stage = stage = get_stage(stage)
+        self.cfg = cfg = cfg if cfg is not None else RunConfig()
+        if not isinstance(cfg, RunConfig):
+            raise TypeError(f"cfg must be a RunConfig, got {type(cfg).__name__}")
+        self.device = device = resolve_device(device)
         reason = stage.skip_reason(device)
         if reason:
             raise StageSkipped(f"{stage.name}: {reason}")
-        self.stage, self.cfg, self.device = stage, cfg, device
-        self.ppo = ppo if ppo is not None else PPOConfig()
-        self.ppo.check_batch(cfg.n_envs, cfg.n_steps)
-        self.n_iterations = n_iterations or cfg.iterations + 1
-        self.precision = precision_for(stage, device)
-        torch.manual_seed(cfg.seed)
-        self.agent = Agent(cfg.spec.view, value_head).to(device)
-        self.optimizer = make_optimizer(self.agent, self.ppo, fused=stage.fused_amp,
-                                        capturable=stage.graphs)
+        self.ppo = cfg.ppo
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            self.agent = Agent(cfg.spec.view, cfg.value_head).to(device)
         self.generator = torch.Generator(device).manual_seed(cfg.seed)
-        if stage.compile:
-            # Fresh dynamo caches per pipeline: guards on the previous pipeline's modules would
-            # otherwise pile up recompiles until dynamo silently falls back to eager.
-            torch._dynamo.reset()
-            self.agent.compile()
+        self.clock = PhaseClock(device)
+        self.precision = stage.precision(device)
+        self.optimizer = stage.optimizer(self.agent.parameters(), cfg.ppo, device)
         if log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="labkit-")
             log_dir = self._tmp.name
         self.log_dir = Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.logger = stage.logger(self.log_dir / "steps.jsonl")
-        self.metrics = stage.metrics(device) if stage.metrics is DeviceEpisodeStats \
-            else stage.metrics()
-        extra = {"env_cls": stage.env} if stage.env is not None else {}
-        if stage.graphs:
-            extra["generator"] = self.generator
-        self.collector = stage.collector(cfg.n_envs, cfg.n_steps, cfg.spec, cfg.seed, device,
-                                         self.act, self.logger, self.metrics, **extra)
-        self.update = make_updater(stage, self.agent, self.optimizer, self.ppo, self.precision,
-                                   self.generator)
+        self.metrics = stage.metrics(device=device)
+        env = stage.env(cfg.n_envs, cfg.spec, cfg.seed, device=device)
+        self.policy = stage.rollout.inner(self.agent)
+        self.collector = stage.collector(
+            env=env, n_steps=cfg.n_steps, metrics=self.metrics, device=device, clock=self.clock,
+            act=partial(sample_action, self.policy, generator=self.generator))
+        self._step = stage.rollout.outer(self.collector.step, self, phase="graph")
+        self.update = build_update(agent=self.agent, optimizer=self.optimizer,
+                                   clip_grad=stage.optimizer.clip_grad, precision=self.precision,
+                                   executor=stage.update, cfg=cfg.ppo, generator=self.generator,
+                                   state=self)
+        self.global_step = 0
         self.iteration_index = 0
+        self._initial = self.state_dict()
 
-    def act(self, obs: torch.Tensor):
-        return self.agent.act(obs, generator=self.generator)
+    # ------------------------------------------------------------------ the iteration
+
+    def collect(self) -> Rollout:
+        """T env steps with the policy; each logs its mean reward (the logger's per-step load)."""
+        with torch.no_grad():
+            for _ in range(self.cfg.n_steps):
+                self._step()
+                self.global_step += self.cfg.n_envs
+                self.logger.log(self.global_step, reward=self.collector.reward_mean)
+                self.clock.lap("io")
+        return self.collector.storage
 
     def rollout(self) -> Batch:
         """Collect T steps and turn them into a flat PPO batch (GAE on the device)."""
-        r = self.collector.collect()
+        r = self.collect()
         with torch.no_grad():
             next_value = self.agent.get_value(self.collector.next_obs())
-        adv, ret = gae(r.rewards, r.values, r.dones, next_value, self.collector.done,
-                       self.ppo.gamma, self.ppo.gae_lambda)
+            adv, ret = gae(r.rewards, r.values, r.dones, next_value, self.collector.done,
+                           self.ppo.gamma, self.ppo.gae_lambda)
+        self.clock.lap("gae")
         return Batch.from_rollout(r.obs, r.actions, r.logprobs, adv, ret, r.values)
 
     def learn(self, batch: Batch) -> dict[str, float | torch.Tensor]:
@@ -153,18 +209,56 @@ class Pipeline:
         Update statistics stay device tensors (the logger decides when to read them); the
         episode statistics are the metrics' one read per iteration."""
         if self.ppo.anneal_lr:
-            anneal_lr(self.optimizer, self.ppo.lr, self.iteration_index, self.n_iterations)
+            anneal_lr(self.optimizer, self.ppo.lr, self.iteration_index, self.cfg.lr_horizon)
         stats = self.update(batch)
+        self.clock.lap("update")
         self.iteration_index += 1
         episodes = self.metrics.summary()
-        self.logger.log(self.collector.global_step, **stats, **episodes)
+        self.clock.lap("metrics")
+        self.logger.log(self.global_step, **stats, **episodes)
+        self.clock.lap("io")
         return {**stats, **episodes}
 
     def iteration(self) -> dict[str, float | torch.Tensor]:
         """One PPO iteration: rollout of T steps x N envs, GAE, update."""
         return self.learn(self.rollout())
 
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Copies (on the device: no host read) of everything an iteration changes."""
+        return clone_state({
+            "agent": self.agent.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "collector": self.collector.state_dict(),
+            "metrics": self.metrics.state_dict(),
+            "generator": self.generator.get_state(),
+            "global_step": self.global_step,
+            "iteration": self.iteration_index,
+        })
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load ``state`` (from ``state_dict``, possibly via a checkpoint on the CPU) in place."""
+        self.agent.load_state_dict(state["agent"])
+        load_optimizer_state_(self.optimizer, state["optimizer"])
+        self.collector.load_state_dict(state["collector"])
+        self.metrics.load_state_dict(state["metrics"])
+        self.generator.set_state(state["generator"])
+        self.global_step = int(state["global_step"])
+        self.iteration_index = int(state["iteration"])
+
+    def reset(self) -> None:
+        """Back to the state this pipeline was built with."""
+        self.load_state_dict(self._initial)
+
     def close(self) -> None:
         self.logger.close()
         if getattr(self, "_tmp", None) is not None:
             self._tmp.cleanup()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

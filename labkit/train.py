@@ -16,24 +16,21 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import checkpoint
-from .config import RunConfig
+from .config import RunConfig, split_run_fields
 from .device import ALLOWED as DEVICES
 from .device import resolve_device
-from .envs.spec import ForageSpec, check_int, check_seed
+from .envs.spec import check_int
+from .files import write_json, write_jsonl
 from .logging import SyncLogger
-from .policy import VALUE_HEADS
-from .ppo import PPOConfig
-from .stages import STAGES, Pipeline, StageSkipped, get_stage
+from .stages import Pipeline, StageSkipped, get_stage
 
-MIN_TRAIN_STAGE = 3
-TRAIN_STAGES = tuple(s.name for s in STAGES if s.index >= MIN_TRAIN_STAGE)
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 #: Update statistics read from the device once per iteration.
@@ -42,88 +39,56 @@ UPDATE_KEYS = ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac", "grad_no
 FINAL_WINDOW = 5
 
 
-def check_train_stage(stage: int | str) -> str:
-    """The name of a stage usable for training (3 and up); ValueError naming ``stage``."""
-    allowed = f"one of {MIN_TRAIN_STAGE}-{len(STAGES) - 1} or {', '.join(TRAIN_STAGES)}"
-    try:
-        found = get_stage(stage)
-    except ValueError:
-        raise ValueError(f"stage must be {allowed}; got {stage!r}") from None
-    if found.index < MIN_TRAIN_STAGE:
-        raise ValueError(f"stage must be {allowed}; got {stage!r} (stages 0-2 are the "
-                         "ladder's slow baselines, not for training)")
-    return found.name
-
-
 @dataclass
 class TrainConfig:
-    """One training run. Derived values are computed in ``__post_init__``."""
+    """One training run: a ``RunConfig`` trained by one stage's pipeline for ``total_steps``."""
 
+    run: RunConfig = field(default_factory=RunConfig)
+    """What the pipeline runs (N, T, seed, value head, env, PPO). Its ``lr_horizon`` is set to
+    ``n_iterations``: the LR anneals to 0 over the whole run."""
     stage: str = "fused_amp"
-    """Ladder stage whose pipeline trains (3-8 or a name; cuda_graphs needs a bf16 GPU)."""
+    """Ladder stage whose pipeline trains (0-8 or a name; stages 0-2 are slow on purpose,
+    cuda_graphs needs a bf16 GPU)."""
     device: str = "auto"
     """auto (CUDA if present), cpu, cuda or cuda:N."""
-    n_envs: int = 64
-    """Environments stepped in parallel (N)."""
-    n_steps: int = 32
-    """Rollout length per iteration (T); one iteration = N*T env steps + one PPO update.
-    32 learns faster per env step than 128 here (more updates), at about the same steps/s."""
     total_steps: int = 500_000
     """Env steps of the whole run, rounded down to whole iterations (at least one)."""
-    seed: int = 1
-    """Seed for the envs, the model init and action sampling."""
-    value_head: str = "plain"
-    """Value head: plain, or popart (normalized value targets)."""
     checkpoint_every: int = 25
     """Write OUT/checkpoint.pt every this many iterations (0: only at the end and on Ctrl-C)."""
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    """PPO hyperparameters (CleanRL's defaults)."""
-    spec: ForageSpec = field(default_factory=ForageSpec)
-    """The environment."""
-    batch_size: int = field(init=False)
-    """N*T, derived."""
     n_iterations: int = field(init=False)
-    """total_steps // batch_size, derived: the LR anneals to 0 over these."""
+    """total_steps // (n_envs * n_steps), derived."""
 
     def __post_init__(self) -> None:
-        self.stage = check_train_stage(self.stage)
+        if not isinstance(self.run, RunConfig):
+            raise TypeError(f"run must be a RunConfig, got {type(self.run).__name__}")
+        self.stage = get_stage(self.stage).name
         if not isinstance(self.device, str) or not _device_syntax_ok(self.device):
             raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
-        check_int("n_envs", self.n_envs, 1, 2**24)
-        check_int("n_steps", self.n_steps, 1, 2**20)
         check_int("total_steps", self.total_steps, 1)
-        check_seed(self.seed)
-        if self.value_head not in VALUE_HEADS:
-            raise ValueError(f"value_head must be one of {', '.join(VALUE_HEADS)}; "
-                             f"got {self.value_head!r}")
         check_int("checkpoint_every", self.checkpoint_every, 0)
-        if not isinstance(self.ppo, PPOConfig):
-            raise TypeError(f"ppo must be a PPOConfig, got {type(self.ppo).__name__}")
-        if not isinstance(self.spec, ForageSpec):
-            raise TypeError(f"spec must be a ForageSpec, got {type(self.spec).__name__}")
-        self.batch_size = self.n_envs * self.n_steps
-        if self.total_steps < self.batch_size:
+        batch = self.run.batch_size
+        if self.total_steps < batch:
             raise ValueError(f"total_steps must be at least one batch (n_envs * n_steps = "
-                             f"{self.batch_size}), got {self.total_steps}")
-        self.ppo.check_batch(self.n_envs, self.n_steps)
-        self.n_iterations = self.total_steps // self.batch_size
+                             f"{batch}), got {self.total_steps}")
+        self.n_iterations = self.total_steps // batch
+        self.run = self.run.replace(lr_horizon=self.n_iterations)
 
-    def run_config(self) -> RunConfig:
-        """What the pipeline takes (its ``iterations`` is the ladder's; unused here)."""
-        return RunConfig(n_envs=self.n_envs, n_steps=self.n_steps, seed=self.seed,
-                         spec=self.spec)
+    @classmethod
+    def flat(cls, **kwargs) -> TrainConfig:
+        """Build from one flat set of keywords: RunConfig fields go to ``run``."""
+        run, own = split_run_fields(kwargs)
+        return cls(run=RunConfig(**run), **own)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (saved in checkpoints and summary.json); derived fields included."""
-        return asdict(self)
+        return {"run": self.run.to_dict(), **{f.name: getattr(self, f.name)
+                                              for f in fields(self) if f.name != "run"}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         init = {f.name for f in fields(cls) if f.init}
-        kwargs = {k: v for k, v in data.items() if k in init}
-        kwargs["ppo"] = PPOConfig(**data["ppo"])
-        kwargs["spec"] = ForageSpec(**data["spec"])
-        return cls(**kwargs)
+        kwargs = {k: v for k, v in data.items() if k in init and k != "run"}
+        return cls(run=RunConfig.from_dict(data["run"]), **kwargs)
 
 
 def _device_syntax_ok(device: str) -> bool:
@@ -145,10 +110,9 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 def build_pipeline(cfg: TrainConfig, device: torch.device) -> Pipeline:
-    """The stage's pipeline for ``cfg``, its LR annealed over ``cfg.n_iterations``."""
+    """The stage's pipeline for ``cfg`` (its LR annealed over ``cfg.n_iterations``)."""
     try:
-        return Pipeline(get_stage(cfg.stage), cfg.run_config(), device, cfg.ppo,
-                        value_head=cfg.value_head, n_iterations=cfg.n_iterations)
+        return Pipeline(cfg.stage, cfg.run, device)
     except StageSkipped as err:
         raise ValueError(f"stage {cfg.stage!r} cannot run on {device}: {err}") from None
 
@@ -186,14 +150,6 @@ def _read_metrics(path: Path, keep_through: int) -> list[dict]:
     return kept
 
 
-def _rewrite_metrics(path: Path, records: list[dict]) -> None:
-    import json
-
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    tmp.replace(path)
-
-
 def _final_means(recent: deque) -> tuple[float, float]:
     """Episode-weighted mean return and length over the last iterations' records."""
     episodes = sum(r["episodes"] for r in recent)
@@ -215,8 +171,6 @@ def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
     raises :class:`TrainingInterrupted`. Returns the summary (also written to summary.json).
     """
     from tqdm.auto import tqdm
-
-    from .cli import write_json
 
     out = Path(out)
     ckpt_path = out / checkpoint.FILENAME
@@ -243,7 +197,7 @@ def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
     pipe = build_pipeline(cfg, device)
     wall_before = 0.0
     if saved is not None:
-        checkpoint.restore(pipe, saved["state"])
+        pipe.load_state_dict(saved["state"])
         wall_before = float(saved["wall_s"])
     start = pipe.iteration_index
     end = cfg.n_iterations if stop_after is None else max(start, min(stop_after,
@@ -251,18 +205,17 @@ def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
     out.mkdir(parents=True, exist_ok=True)
     kept = _read_metrics(out / METRICS, start)
     if saved is not None:
-        _rewrite_metrics(out / METRICS, kept)
+        write_jsonl(out / METRICS, kept)
     recent: deque = deque(kept[-FINAL_WINDOW:], maxlen=FINAL_WINDOW)
 
     metrics_log = SyncLogger(out / METRICS, mode="a")
-    state, state_wall = checkpoint.capture(pipe), wall_before
+    state, state_wall = pipe.state_dict(), wall_before
 
     def save_state() -> Path:
-        return checkpoint.save(ckpt_path, {
-            "config": cfg.to_dict(), "device": str(device), "wall_s": state_wall,
-            "state": checkpoint.to_cpu(state)})
+        return checkpoint.save(ckpt_path, {"config": cfg.to_dict(), "device": str(device),
+                                           "wall_s": state_wall, "state": state})
 
-    bar = tqdm(total=cfg.n_iterations * cfg.batch_size, initial=start * cfg.batch_size,
+    bar = tqdm(total=cfg.n_iterations * cfg.run.batch_size, initial=start * cfg.run.batch_size,
                unit="step", unit_scale=True, desc=f"train {cfg.stage}", disable=not progress)
     first_iter_s = None
     t_start = time.perf_counter()
@@ -276,15 +229,15 @@ def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
             now = time.perf_counter()
             iter_s = now - t0
             first_iter_s = iter_s if first_iter_s is None else first_iter_s
-            record.update(iter_s=iter_s, sps=cfg.batch_size / iter_s,
+            record.update(iter_s=iter_s, sps=cfg.run.batch_size / iter_s,
                           wall_s=wall_before + now - t_start)
-            metrics_log.log(pipe.collector.global_step, **record)
+            metrics_log.log(pipe.global_step, **record)
             metrics_log.flush()
             recent.append(record)
-            state, state_wall = checkpoint.capture(pipe), record["wall_s"]
+            state, state_wall = pipe.state_dict(), record["wall_s"]
             if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
                 save_state()
-            bar.update(cfg.batch_size)
+            bar.update(cfg.run.batch_size)
             if record["episodes"]:
                 bar.set_postfix(ret=f"{record['mean_return']:.2f}", sps=f"{record['sps']:.0f}")
         save_state()
@@ -302,12 +255,12 @@ def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
     final_return, final_length = _final_means(recent)
     summary = {
         "stage": cfg.stage, "device": str(device), "complete": end == cfg.n_iterations,
-        "iterations": end, "steps": end * cfg.batch_size,
+        "iterations": end, "steps": end * cfg.run.batch_size,
         "final_mean_return": final_return, "final_mean_length": final_length,
         "final_window_iterations": len(recent),
         "wall_s": wall_before + session_s,
-        "steps_per_s": ran * cfg.batch_size / session_s if ran else math.nan,
-        "steady_steps_per_s": ((ran - 1) * cfg.batch_size / (session_s - first_iter_s)
+        "steps_per_s": ran * cfg.run.batch_size / session_s if ran else math.nan,
+        "steady_steps_per_s": ((ran - 1) * cfg.run.batch_size / (session_s - first_iter_s)
                                if ran > 1 else math.nan),
         "first_iteration_s": first_iter_s,
         "config": cfg.to_dict(),

@@ -1,40 +1,101 @@
-"""The PPO update as each stage runs it: eager, compiled, or replayed as a CUDA graph.
+"""The PPO update as a stage runs it: the math of ``labkit.ppo`` with three swappable parts.
 
-All three run ``ppo.ppo_update``'s epochs x shuffled minibatches and ``ppo.minibatch_step``'s
-math; they differ only in how one minibatch step is executed.
+* an **optimizer**: :class:`Adam` (torch's default, as most loops create it) or
+  :class:`FusedAdam` (one fused kernel, the LR a device tensor, a sync-free grad clip);
+* a **precision**: :func:`fp32` or :func:`amp` (bf16 autocast where the GPU has it);
+* an **executor** (``labkit.executors``): eager, compiled or replayed as a CUDA graph.
+
+:func:`build_update` assembles them into ``update(batch) -> stats``.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
-from .ppo import Batch, PPOConfig, fused_clip_grad_norm_, minibatch_step, ppo_update
+from .device import has_bf16
+from .ppo import PPOConfig, fused_clip_grad_norm_, minibatch_step, ppo_loss, ppo_update
 
-Updater = Callable[[Batch], dict]
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-def autocast_for(precision: str, device: torch.device) -> Callable:
+@dataclass(frozen=True)
+class Adam:
+    """``torch.optim.Adam`` as most training loops create it: multi-tensor (foreach) kernels, a
+    float learning rate, and ``torch.nn.utils.clip_grad_norm_``. Its step counters are CPU
+    tensors that each step reads with ``.item()``, one per parameter."""
+
+    requires: tuple[str, ...] = ()
+
+    @staticmethod
+    def clip_grad(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def __call__(self, params: Iterable[torch.Tensor], cfg: PPOConfig,
+                 device: torch.device) -> torch.optim.Adam:
+        return torch.optim.Adam(params, lr=cfg.lr, eps=cfg.adam_eps)
+
+
+@dataclass(frozen=True)
+class FusedAdam(Adam):
+    """Adam with ``fused=True``: one kernel per step for all parameters, step counters on the
+    device. The LR is a 0-d device tensor that :func:`labkit.ppo.set_lr` updates in place, so
+    compiled code and CUDA graphs see new values without recompiling or recapturing; on CUDA it
+    is ``capturable``. Gradients are clipped by :func:`labkit.ppo.fused_clip_grad_norm_` (no
+    host read)."""
+
+    @staticmethod
+    def clip_grad(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+        return fused_clip_grad_norm_(params, max_norm)
+
+    def __call__(self, params: Iterable[torch.Tensor], cfg: PPOConfig,
+                 device: torch.device) -> torch.optim.Adam:
+        lr = torch.tensor(cfg.lr, dtype=torch.float32, device=device)
+        return torch.optim.Adam(params, lr=lr, eps=cfg.adam_eps, fused=True,
+                                capturable=device.type == "cuda")
+
+
+def fp32(device: torch.device) -> str:
+    """Everything in float32."""
+    return "fp32"
+
+
+def amp(device: torch.device) -> str:
+    """Mixed precision for the loss's forward: bf16 autocast where the GPU has it, fp16 (with a
+    GradScaler) on older GPUs, fp32 on the CPU, where bf16 matmuls without AMX are slower than
+    fp32 for this small model."""
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if has_bf16(device) else "fp16"
+
+
+def autocast_for(precision: str, device: torch.device) -> Callable[[], Any]:
+    """A context-manager factory for ``precision``'s autocast (a no-op for fp32)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp32":
         return contextlib.nullcontext
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    # cache off: cached casts of parameters would be stale across graph replays
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    # cache off: cached casts of the parameters would be stale across graph replays
     return partial(torch.autocast, device.type, dtype=dtype, cache_enabled=False)
 
 
-def make_updater(stage, agent, optimizer, cfg: PPOConfig, precision: str,
-                 generator: torch.Generator) -> Updater:
-    """The update for ``stage``: torch's clip and unfused Adam before stage 7, fused after."""
+def build_update(*, agent: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 clip_grad: Callable, precision: str, executor, cfg: PPOConfig,
+                 generator: torch.Generator, state: Any) -> Callable:
+    """``update(batch) -> stats``: :func:`labkit.ppo.ppo_update` with a minibatch step made of
+    ``executor.inner(loss)``, ``precision``'s autocast and ``clip_grad``, itself run through
+    ``executor.outer`` (``state`` is what a graph capture saves and restores)."""
     device = next(agent.parameters()).device
-    clip = fused_clip_grad_norm_ if stage.fused_amp else torch.nn.utils.clip_grad_norm_
+    loss_fn = executor.inner(partial(ppo_loss, agent, cfg=cfg))
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    step = partial(minibatch_step, agent, optimizer, cfg=cfg, clip_grad=clip,
+    step = partial(minibatch_step, loss_fn=loss_fn, optimizer=optimizer,
+                   params=[p for p in agent.parameters() if p.requires_grad],
+                   max_grad_norm=cfg.max_grad_norm, clip_grad=clip_grad,
                    autocast=autocast_for(precision, device), scaler=scaler)
-    if stage.graphs:
-        from .graphs import GraphedStep
-        step = GraphedStep(step, agent, optimizer)
-    elif stage.compile:
-        step = torch.compile(step)
+    step = executor.outer(step, state)
     return partial(ppo_update, agent, optimizer, cfg=cfg, generator=generator, step=step)

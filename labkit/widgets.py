@@ -18,7 +18,7 @@ def ladder_controls(n_envs: int = 32, n_steps: int = 128, stages: tuple[int, ...
     from IPython.display import display
 
     from .bench import format_ladder, run_ladder
-    from .config import RunConfig
+    from .config import BenchConfig
     from .plots import ladder_bars
 
     device = w.Dropdown(options=devices(), value=devices()[-1], description="device")
@@ -34,7 +34,7 @@ def ladder_controls(n_envs: int = 32, n_steps: int = 128, stages: tuple[int, ...
         out.clear_output()
         with out:
             profile = "full" if device.value.startswith("cuda") else "quick"
-            cfg = RunConfig.from_profile(profile, n_envs=n.value, n_steps=t.value)
+            cfg = BenchConfig.from_profile(profile, n_envs=n.value, n_steps=t.value)
             result = run_ladder(cfg, torch.device(device.value),
                                 stages=[STAGES[i] for i in pick.value], scaling=False,
                                 profile=profile)

@@ -10,11 +10,17 @@ def test_unknown_device_is_a_clear_error(capsys):
     assert "device must be one of" in capsys.readouterr().err
 
 
-def test_unknown_stage_is_rejected_by_the_parser(capsys):
+@pytest.mark.parametrize("stages, needle", [
+    ("0,warp_speed", "stage must be one of"),
+    ("", "expected comma-separated stages"),
+    (",", "expected comma-separated stages"),
+    (" , ", "expected comma-separated stages"),
+])
+def test_bad_stage_lists_are_rejected_by_the_parser(capsys, stages, needle):
     with pytest.raises(SystemExit) as exc:
-        main(["ladder", "--stages", "0,warp_speed"])
+        main(["ladder", "--stages", stages])
     assert exc.value.code == 2
-    assert "stage must be one of" in capsys.readouterr().err
+    assert needle in capsys.readouterr().err
 
 
 def test_ladder_writes_json_and_figures(tmp_path, capsys):
@@ -24,10 +30,13 @@ def test_ladder_writes_json_and_figures(tmp_path, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "batched_ops" in out and "skipped: needs CUDA" in out
+    assert "where an iteration goes" in out
     result = json.loads((tmp_path / "ladder_cpu_quick.json").read_text())
     assert [r["stage"] for r in result["ladder"]] == [3, 6, 8]
     assert result["ladder"][1]["host_reads_rollout_per_step"] == 0
     assert result["meta"]["torch"] and result["meta"]["cpu_count"] >= 1
     assert result["headline"]["stage"] == 6  # the highest stage that ran
-    for suffix in ("ladder", "scaling", "learning"):
+    assert set(result["ladder"][1]["phase_ms"]) >= {"policy", "env", "update"}
+    assert result["ladder"][1]["ceiling_sps"] > 0
+    for suffix in ("ladder", "scaling", "phases", "learning"):
         assert (tmp_path / f"ladder_cpu_quick_{suffix}.png").stat().st_size > 1000

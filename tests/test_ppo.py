@@ -12,12 +12,14 @@ from labkit.ppo import (
     anneal_lr,
     fused_clip_grad_norm_,
     gae,
-    make_optimizer,
     ppo_loss,
     ppo_update,
     set_lr,
 )
 from labkit.syncmeter import SyncMeter
+from labkit.update import Adam, FusedAdam, amp, autocast_for, fp32
+
+CPU = torch.device("cpu")
 
 # GAE in float32 against a float64 reference: sums of up to T=20 O(1) terms.
 GAE_TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -177,7 +179,7 @@ def _trained(value_head: str, seed: int = 1, clip_grad=fused_clip_grad_norm_):
     torch.manual_seed(0)
     agent = Agent(value_head=value_head)
     cfg = PPOConfig()
-    opt = make_optimizer(agent, cfg, fused=True)
+    opt = FusedAdam()(agent.parameters(), cfg, CPU)
     before = [p.detach().clone() for p in agent.parameters()]
     batch = _rollout_batch()
     with SyncMeter() as m:
@@ -215,7 +217,7 @@ def test_ppo_update_with_torch_clip_matches_fused():
 def test_ppo_update_accepts_a_dict_and_checks_minibatches():
     torch.manual_seed(0)
     agent = Agent()
-    opt = make_optimizer(agent, PPOConfig())
+    opt = Adam()(agent.parameters(), PPOConfig(), CPU)
     batch = vars(_rollout_batch())
     stats = ppo_update(agent, opt, batch, PPOConfig(update_epochs=1))
     assert stats["entropy"].item() == pytest.approx(math.log(5), rel=0.01)
@@ -226,7 +228,7 @@ def test_ppo_update_accepts_a_dict_and_checks_minibatches():
 def test_lr_annealing_in_place():
     agent = Agent()
     cfg = PPOConfig()
-    opt = make_optimizer(agent, cfg, fused=True)
+    opt = FusedAdam()(agent.parameters(), cfg, CPU)
     lr_tensor = opt.param_groups[0]["lr"]
     assert isinstance(lr_tensor, torch.Tensor) and lr_tensor.dim() == 0
     with SyncMeter() as m:
@@ -235,7 +237,7 @@ def test_lr_annealing_in_place():
     assert m.host_reads == 0
     assert opt.param_groups[0]["lr"] is lr_tensor  # same tensor, updated in place
     assert lr_tensor.item() == pytest.approx(cfg.lr * 0.75)
-    plain = make_optimizer(agent, cfg)
+    plain = Adam()(agent.parameters(), cfg, CPU)
     assert isinstance(plain.param_groups[0]["lr"], float)
     anneal_lr(plain, cfg.lr, 2, 4)
     assert plain.param_groups[0]["lr"] == pytest.approx(cfg.lr / 2)
@@ -244,11 +246,16 @@ def test_lr_annealing_in_place():
     assert plain.defaults["eps"] == cfg.adam_eps
 
 
-def test_capturable_on_cpu_needs_fused():
-    with pytest.raises(ValueError, match="capturable"):
-        make_optimizer(Agent(), PPOConfig(), capturable=True)
-    opt = make_optimizer(Agent(), PPOConfig(), fused=True, capturable=True)
-    assert opt.defaults["capturable"] and opt.defaults["fused"]
+def test_optimizer_and_precision_components():
+    fused = FusedAdam()(Agent().parameters(), PPOConfig(), CPU)
+    assert fused.defaults["fused"] and not fused.defaults["capturable"]  # capturable on CUDA
+    assert isinstance(fused.param_groups[0]["lr"], torch.Tensor)
+    plain = Adam()(Agent().parameters(), PPOConfig(), CPU)
+    assert not plain.defaults["fused"] and isinstance(plain.param_groups[0]["lr"], float)
+    assert FusedAdam.clip_grad is not Adam.clip_grad
+    assert fp32(CPU) == amp(CPU) == "fp32"  # no bf16 autocast on the CPU
+    with pytest.raises(ValueError, match="precision must be one of"):
+        autocast_for("fp8", CPU)
 
 
 @pytest.mark.parametrize("field,value", [

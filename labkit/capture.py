@@ -1,0 +1,154 @@
+"""One snapshot/restore for everything that must run work and then undo it.
+
+A pipeline's whole state is one ``state_dict()`` (PureJaxRL's ``runner_state``). Three things
+run real work they must take back, and all three use it:
+
+* ``warmup(pipeline)``: one iteration off the clock (compilation, graph capture, allocator and
+  cuDNN warmup happen there), then the state from before it;
+* ``CapturedStep``: a CUDA graph is captured after a few warmup calls on a side stream (as
+  torch's docs require), which really train and really step the envs;
+* checkpoints (``labkit.checkpoint``) save and load the same dict.
+
+Restores write *in place*: compiled code and captured graphs hold the very tensors (parameters,
+optimizer moments, the LR, env state, rollout buffers), so a restore copies values into them
+instead of replacing them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from .device import synchronize
+
+WARMUP_CALLS = 3
+
+
+def tree_map(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """Apply ``fn`` to every tensor in nested dicts, lists, tuples and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: tree_map(fn, v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tree_map(fn, v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: tree_map(fn, getattr(obj, f.name))
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+def tree_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of ``obj`` in ``tree_map`` order."""
+    found: list[torch.Tensor] = []
+    tree_map(found.append, obj)
+    return found
+
+
+def clone_state(obj: Any) -> Any:
+    """Detached copies of every tensor in ``obj`` (on the same device: no host read)."""
+    return tree_map(lambda t: t.detach().clone(), obj)
+
+
+@torch.no_grad()
+def load_optimizer_state_(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)`` that keeps every existing state tensor and a tensor
+    LR in place. State the saved dict lacks (it was taken before the first step) is zeroed:
+    Adam with zero moments and a zero step counter is exactly a fresh Adam."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    live = {p: dict(optimizer.state[p]) for p in params if p in optimizer.state}
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)  # torch's casts and placement (e.g. a CPU step counter)
+    for p, old in live.items():
+        new = optimizer.state[p]
+        for key, tensor in old.items():
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if key in new:
+                tensor.copy_(new[key])
+            else:
+                tensor.zero_()
+            new[key] = tensor
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        if isinstance(lr, torch.Tensor):
+            lr.copy_(group["lr"])
+            group["lr"] = lr
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def warmup(pipeline) -> float:
+    """Run one iteration of ``pipeline`` off the clock, then restore the state from before it;
+    return its seconds (synchronized). Compilation, graph capture and cuDNN autotuning happen
+    here, and the timed iterations compute what an un-warmed run would."""
+    saved = pipeline.state_dict()
+    synchronize(pipeline.device)
+    start = time.perf_counter()
+    pipeline.iteration()
+    synchronize(pipeline.device)
+    elapsed = time.perf_counter() - start
+    pipeline.load_state_dict(saved)
+    return elapsed
+
+
+def side_stream_warmup(fn: Callable[[], object], calls: int = WARMUP_CALLS) -> None:
+    """Call ``fn`` a few times on a side stream before capturing it (torch's recipe: lazy
+    initialization, autotuning and allocator growth must not happen inside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+def _copy_(dst: Any, src: Any) -> None:
+    for d, s in zip(tree_tensors(dst), tree_tensors(src), strict=True):
+        d.copy_(s)
+
+
+class CapturedStep:
+    """Run ``step(*args)`` as a CUDA graph.
+
+    The first call warms ``step`` up on a side stream on static copies of its tensor arguments,
+    restores ``state`` (everything the warmup calls changed: a ``Stateful`` such as the
+    pipeline), and captures one call. Each call then copies its arguments into the static
+    copies and replays: one launch for the whole step. Outputs are cloned, since the next replay
+    overwrites them. The capture is what makes the rules binding: static shapes, state updated
+    in place, no host reads, random numbers from the registered ``generator``.
+    """
+
+    def __init__(self, step: Callable[..., Any], state: Stateful,
+                 generator: torch.Generator | None = None,
+                 after_replay: Callable[[], None] | None = None) -> None:
+        self.step, self.state, self.generator = step, state, generator
+        self.after_replay = after_replay
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _capture(self, args: tuple) -> None:
+        self.static = clone_state(args)
+        saved = self.state.state_dict()
+        side_stream_warmup(lambda: self.step(*self.static))
+        self.state.load_state_dict(saved)
+        graph = torch.cuda.CUDAGraph()
+        if self.generator is not None:
+            graph.register_generator_state(self.generator)
+        # thread_local: the async logger's writer thread may touch CUDA during the capture.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self.out = self.step(*self.static)
+        self.graph = graph
+
+    def __call__(self, *args: Any) -> Any:
+        if self.graph is None:
+            self._capture(args)
+        _copy_(self.static, args)
+        self.graph.replay()
+        if self.after_replay is not None:
+            self.after_replay()
+        return clone_state(self.out)

@@ -1,0 +1,63 @@
+"""How a step runs: eagerly, compiled, or captured once and replayed as a CUDA graph.
+
+A stage has two executor slots, ``rollout`` and ``update``, and both take the same executors.
+An executor only wraps functions it is handed; the code that calls them never changes
+(LeanRL's ``update = torch.compile(update)``, then ``CudaGraphModule(update)``):
+
+* ``inner(fn)`` wraps the model math: the policy network in the rollout, the PPO loss (forward,
+  and through autograd its backward) in the update.
+* ``outer(step, state, phase)`` wraps the whole step: one env step with the policy and its
+  bookkeeping, or one minibatch's optimizer step.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .capture import CapturedStep
+
+
+@dataclass(frozen=True)
+class Eager:
+    """Run everything as written: one Python call, one kernel launch per op."""
+
+    requires: tuple[str, ...] = ()
+
+    def inner(self, fn: Any) -> Any:
+        return fn
+
+    def outer(self, step: Callable, state: Any, phase: str | None = None) -> Callable:
+        return step
+
+
+@dataclass(frozen=True)
+class Compiled(Eager):
+    """``torch.compile`` the model math, ``fullgraph=True`` (a graph break here is a bug, so it
+    should fail loudly). ``mode=None`` is inductor's default; ``"reduce-overhead"`` also replays
+    the compiled code as CUDA graphs, torch's own alternative to :class:`Graphed`."""
+
+    mode: str | None = None
+
+    def inner(self, fn: Any) -> Any:
+        return torch.compile(fn, fullgraph=True, mode=self.mode)
+
+
+@dataclass(frozen=True)
+class Graphed:
+    """Capture the whole step as a CUDA graph and replay it: one launch for hundreds of small
+    kernels. ``base`` runs the model math inside the graph (``Graphed(Compiled())`` replays
+    compiled kernels). The update's graph needs bf16: with fp16, AMP's GradScaler reads the
+    host to skip steps with infinite gradients, which a graph cannot capture."""
+
+    base: Eager = Eager()
+    requires: tuple[str, ...] = ("cuda",)
+
+    def inner(self, fn: Any) -> Any:
+        return self.base.inner(fn)
+
+    def outer(self, step: Callable, state: Any, phase: str | None = None) -> Callable:
+        lap = (lambda: state.clock.lap(phase)) if phase else None
+        return CapturedStep(step, state, generator=state.generator, after_replay=lap)

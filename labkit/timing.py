@@ -1,0 +1,121 @@
+"""Honest timing: named phases inside an iteration, and the first call apart from the rest.
+
+``PhaseClock.lap(name)`` gives the time since the previous lap to ``name`` (PufferLib's named
+timers): a reader sees where an iteration went without a profiler. On a GPU a lap records a
+CUDA event, so nothing waits inside the iteration; the events are read after the caller's one
+synchronize at the iteration boundary. On the CPU a lap reads ``time.perf_counter``.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .device import synchronize
+
+#: Phase keys in the order of an iteration, with what each one holds.
+PHASES = {
+    "policy": "policy forward + sampling",
+    "env": "env step",
+    "io": "transfers + logging",
+    "metrics": "episode statistics",
+    "graph": "rollout step replayed as one CUDA graph",
+    "gae": "bootstrap value + GAE",
+    "update": "PPO update",
+}
+
+
+class PhaseClock:
+    """Accumulates wall time per named phase while started; a no-op otherwise.
+
+    >>> clock = PhaseClock(torch.device("cpu"))
+    >>> clock.start(); work(); clock.lap("work"); ms = clock.stop()   # doctest: +SKIP
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.running = False
+        self._marks: list[tuple[str | None, object]] = []
+
+    def _now(self) -> object:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.running = True
+        self._marks = [(None, self._now())]
+
+    def lap(self, name: str) -> None:
+        """The time since the previous lap (or ``start``) belongs to phase ``name``."""
+        if not self.running:
+            return
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            return  # inside a CUDA graph capture: the replay is timed as a whole
+        self._marks.append((name, self._now()))
+
+    @property
+    def laps(self) -> int:
+        return max(len(self._marks) - 1, 0)
+
+    def stop(self) -> dict[str, float]:
+        """Milliseconds per phase since ``start``. On CUDA call it after synchronizing."""
+        self.running = False
+        out: dict[str, float] = {}
+        for (_, a), (name, b) in zip(self._marks, self._marks[1:]):
+            ms = a.elapsed_time(b) if self.cuda else 1e3 * (b - a)
+            out[name] = out.get(name, 0.0) + ms
+        return out
+
+
+def lap_cost_s(device: torch.device, laps: int = 5000) -> float:
+    """Measured seconds that one ``PhaseClock.lap`` adds to the timed region on ``device``
+    (the events are read later, outside it)."""
+    clock = PhaseClock(device)
+    synchronize(device)
+    start = time.perf_counter()
+    clock.start()
+    for _ in range(laps):
+        clock.lap("x")
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    clock.stop()
+    return seconds / laps
+
+
+@dataclass
+class Timings:
+    """Seconds of the first call and of each later call."""
+
+    first: float
+    runs: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs)
+
+    @property
+    def spread(self) -> tuple[float, float, float]:
+        """(min, median, max) of the later calls."""
+        return min(self.runs), self.median, max(self.runs)
+
+
+def time_calls(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> Timings:
+    """Call ``fn`` once (timed apart: compilation, allocator and cache warmup land there), then
+    ``repeats`` more times. Each call is timed from a synchronized start to a synchronized end,
+    so on a GPU the clock covers the queued work, not just its launch."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    times = []
+    for _ in range(repeats + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)  # the host clock is only honest once the device has finished
+        times.append(time.perf_counter() - start)
+    return Timings(times[0], times[1:])
