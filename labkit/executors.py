@@ -26,6 +26,9 @@ class Eager:
 
     requires: tuple[str, ...] = ()
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
     def inner(self, fn: Any) -> Any:
         return fn
 
@@ -41,6 +44,9 @@ class Compiled(Eager):
 
     mode: str | None = None
 
+    def __repr__(self) -> str:
+        return f"Compiled(mode={self.mode!r})" if self.mode else "Compiled()"
+
     def inner(self, fn: Any) -> Any:
         return torch.compile(fn, fullgraph=True, mode=self.mode)
 
@@ -54,6 +60,10 @@ class Graphed:
 
     base: Eager = Eager()
     requires: tuple[str, ...] = ("cuda",)
+
+    def __repr__(self) -> str:
+        extra = [n for n in self.requires if n != "cuda"]
+        return f"Graphed({self.base!r}" + (f", needs {'+'.join(extra)})" if extra else ")")
 
     def inner(self, fn: Any) -> Any:
         return self.base.inner(fn)

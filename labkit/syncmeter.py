@@ -9,9 +9,15 @@ count (a background logger's reads are off the hot path by design).
 
 On CUDA the meter can also record what ``torch.cuda.set_sync_debug_mode("warn")`` reports
 (``cuda_syncs``), which includes syncs done inside torch ops.
+
+With ``call_sites=True`` it also counts where each read came from (``sites``): the first frame
+outside torch, as ``file:line (function)``, and, when the read itself happened inside torch
+(an optimizer reading its step counter), the torch line after ``via``.
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import warnings
 from collections import Counter
@@ -24,11 +30,43 @@ _active: list[SyncMeter] = []
 _originals: dict[str, object] = {}
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _short(path: str) -> str:
+    """``labkit/rollout.py`` or ``torch/optim/adam.py`` rather than a full path."""
+    for marker in (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    return path[len(here):] if path.startswith(here) else path
+
+
+def call_site(skip: int = 0) -> str:
+    """Where the current call comes from: the first frame outside this module and torch
+    (``file:line (function)``), plus ``via`` the torch frame that made it, if any."""
+    frame = sys._getframe(1 + skip)
+    inner = None
+    while frame is not None and (frame.f_code.co_filename == __file__
+                                 or frame.f_code.co_filename.startswith(_TORCH_DIR)):
+        if frame.f_code.co_filename != __file__ and inner is None:
+            inner = frame
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    site = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+    if inner is not None:
+        site += f" via {_short(inner.f_code.co_filename)}:{inner.f_lineno}"
+    return site
+
+
 def _count(name: str) -> None:
     tid = threading.get_ident()
     for meter in _active:
         if meter._thread == tid:
             meter.counts[name] += 1
+            if meter.sites is not None:
+                meter.sites[call_site()] += 1
 
 
 def _wrap(name: str, fn):
@@ -72,8 +110,9 @@ class SyncMeter:
     1
     """
 
-    def __init__(self, cuda_debug: bool = False) -> None:
+    def __init__(self, cuda_debug: bool = False, call_sites: bool = False) -> None:
         self.counts: Counter[str] = Counter()
+        self.sites: Counter[str] | None = Counter() if call_sites else None
         self.cuda_syncs = 0
         self._cuda_debug = cuda_debug and torch.cuda.is_available()
         self._thread = threading.get_ident()

@@ -31,6 +31,9 @@ class Adam:
 
     requires: tuple[str, ...] = ()
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
     @staticmethod
     def clip_grad(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -40,7 +43,7 @@ class Adam:
         return torch.optim.Adam(params, lr=cfg.lr, eps=cfg.adam_eps)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class FusedAdam(Adam):
     """Adam with ``fused=True``: one kernel per step for all parameters, step counters on the
     device. The LR is a 0-d device tensor that :func:`labkit.ppo.set_lr` updates in place, so

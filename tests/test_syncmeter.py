@@ -70,3 +70,27 @@ def test_cuda_blocking_copy_and_sync_debug_mode():
         x.sum().item()
     assert m.counts["copy_"] == 1 and m.counts["item"] == 1
     assert m.cuda_syncs >= 1
+
+
+def test_call_sites_name_the_line_and_what_torch_did_for_it():
+    from labkit.policy import Agent
+    from labkit.ppo import PPOConfig
+    from labkit.update import Adam
+
+    agent = Agent()
+    opt = Adam()(agent.parameters(), PPOConfig(), torch.device("cpu"))
+    logits, value = agent(torch.rand(2, 3, 7, 7))
+    (logits.sum() + value.sum()).backward()
+
+    def mine(x):
+        return x.sum().item()
+
+    with SyncMeter(call_sites=True) as m:
+        mine(torch.ones(3))
+        opt.step()  # torch's default Adam reads each parameter's step counter
+    sites = dict(m.sites)
+    [own] = [s for s in sites if "(mine)" in s]
+    assert own.startswith("tests/test_syncmeter.py:") and sites[own] == 1
+    [adam] = [s for s in sites if "via torch/optim/" in s]
+    assert sites[adam] == len(list(agent.parameters())) == m.counts["item"] - 1
+    assert SyncMeter().sites is None  # off by default: no stack walks on the hot path

@@ -1,0 +1,40 @@
+"""The chapters' helpers: labkit's own source, what a stage changes, profiler tables."""
+import torch
+
+from labkit.capture import warmup
+from labkit.config import RunConfig
+from labkit.profiling import op_counts, profile_calls, top_ops
+from labkit.show import changed_slots, diff, reads_table, source, stage_table
+from labkit.stages import STAGES, Pipeline
+
+
+def test_source_and_diff_come_from_the_package():
+    text = source(STAGES[4].logger)
+    assert text.startswith("# labkit/logging.py: AsyncLogger\nclass AsyncLogger")
+    d = diff(STAGES[3].logger, STAGES[4].logger)
+    assert d.startswith("--- labkit/logging.py: SyncLogger\n+++ labkit/logging.py: AsyncLogger")
+    assert "\n-class SyncLogger" in d and "\n+class AsyncLogger" in d
+
+
+def test_changed_slots_and_stage_table():
+    assert set(changed_slots(STAGES[6], STAGES[7])) == {"optimizer", "precision"}
+    assert set(changed_slots(STAGES[3], STAGES[4])) == {"logger"}
+    table = stage_table(list(STAGES)).splitlines()
+    assert len(table) == 1 + len(STAGES)
+    assert "Graphed(Compiled(), needs bf16)" in table[-1]
+
+
+def test_reads_table_sorts_and_divides():
+    text = reads_table({"a.py:1 (f)": 4, "b.py:2 (g)": 64}, per=2)
+    assert text.splitlines()[1:] == ["          32  b.py:2 (g)", "           2  a.py:1 (f)"]
+
+
+def test_profiler_tables_count_ops():
+    with Pipeline(3, RunConfig(n_envs=8, n_steps=8), "cpu") as p:
+        warmup(p)
+        prof = profile_calls(p.iteration, p.device, calls=2)
+    counts = op_counts(prof)
+    # 4 epochs x 4 minibatches x 2 iterations of one conv-conv-linear forward + backward
+    assert counts["aten::convolution_backward"] == 2 * 16 * 2
+    table = top_ops(prof, torch.device("cpu"), n=5, per=2).splitlines()
+    assert table[0].split()[:2] == ["op", "calls"] and len(table) == 6
