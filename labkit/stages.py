@@ -6,6 +6,7 @@ A ``Stage`` only says which component fills each slot:
 slot                  what it decides
 ====================  ======================================================================
 ``env``               the Forage implementation (Python objects, NumPy, torch loop, torch)
+``model``             the agent network (``Agent``: conv-conv-linear, policy and value heads)
 ``collector``         how one env step with the policy is done and stored
 ``logger``            how the per-step log record leaves the hot path
 ``metrics``           where episode statistics are aggregated
@@ -59,6 +60,7 @@ class Stage:
     name: str
     lesson: str
     env: type = ForagePyList
+    model: type = Agent
     collector: type = PerEnvCollector
     logger: type = SyncLogger
     metrics: type = EagerEpisodeStats
@@ -156,7 +158,7 @@ class Pipeline:
         self.ppo = cfg.ppo
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
-            self.agent = Agent(cfg.spec.view, cfg.value_head).to(device)
+            self.agent = stage.model(cfg.spec.view, cfg.value_head).to(device)
         self.generator = torch.Generator(device).manual_seed(cfg.seed)
         self.clock = PhaseClock(device)
         self.precision = stage.precision(device)
