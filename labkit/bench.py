@@ -14,6 +14,7 @@ Nothing is extrapolated: every figure comes from iterations that ran.
 from __future__ import annotations
 
 import resource
+import signal
 import statistics
 import time
 from collections.abc import Callable
@@ -21,9 +22,10 @@ from collections.abc import Callable
 import torch
 
 from .capture import warmup
-from .config import BenchConfig
+from .config import BenchConfig, check_memory
 from .device import run_metadata, synchronize
 from .policy import flops_per_sample
+from .signals import signum_of
 from .stages import STAGES, Pipeline, Stage, StageSkipped, get_stage
 from .syncmeter import SyncMeter
 from .timing import PHASES, lap_cost_s, time_calls
@@ -173,27 +175,46 @@ def _add_ratios(rows: list[dict]) -> None:
         prev = r
 
 
-def run_ladder(cfg: BenchConfig, device: torch.device, stages: list[Stage] | None = None,
-               scaling: bool = True, profile: str | None = None,
-               progress: Callable[[int, int, str], None] | None = None) -> dict:
-    """The ladder (every stage at one N, T) and the scaling sweep (the stages whose env is
-    vectorized on the device, over ``cfg.scaling_n_envs``)."""
+def ladder_plan(cfg: BenchConfig, device: torch.device, stages: list | None = None,
+                scaling: bool = True) -> list[tuple[Stage, BenchConfig]]:
+    """What ``run_ladder`` will measure, in order, every configuration checked (stage names,
+    minibatch divisibility, memory) before anything runs."""
     stages = [get_stage(s) for s in (stages if stages is not None else STAGES)]
     if not stages:
         raise ValueError("stages must name at least one stage")
-    peak = matmul_peak_flops(device)
-    lap_cost = lap_cost_s(device)
-    result = {"meta": run_metadata(device, profile), "config": cfg.to_dict(), **peak,
-              "lap_cost_s": lap_cost, "ladder": [], "scaling": []}
     todo = [(s, cfg) for s in stages]
     if scaling:
         todo += [(s, cfg.replace(n_envs=n)) for s in stages if s.scales
                  for n in cfg.scaling_n_envs]
-    for i, (stage, c) in enumerate(todo):
-        if progress:
-            progress(i, len(todo), f"{stage.name} N={c.run.n_envs}")
-        row = measure_stage(stage, c, device, peak_flops=peak["peak_flops"], lap_cost=lap_cost)
-        (result["ladder"] if i < len(stages) else result["scaling"]).append(row)
+    for _, c in todo:
+        check_memory(c.run, device)
+    return todo
+
+
+def run_ladder(cfg: BenchConfig, device: torch.device, stages: list[Stage] | None = None,
+               scaling: bool = True, profile: str | None = None,
+               progress: Callable[[int, int, str], None] | None = None) -> dict:
+    """The ladder (every stage at one N, T) and the scaling sweep (the stages whose env is
+    vectorized on the device, over ``cfg.scaling_n_envs``).
+
+    Every configuration is checked before the first is measured. A KeyboardInterrupt (or a
+    stop signal under :func:`labkit.signals.stop_signals`) ends the sweep early: the result
+    keeps every measurement that finished and says ``"interrupted": "<signal name>"``."""
+    todo = ladder_plan(cfg, device, stages, scaling)
+    stages = [s for s, c in todo if c is cfg]
+    peak = matmul_peak_flops(device)
+    lap_cost = lap_cost_s(device)
+    result = {"meta": run_metadata(device, profile), "config": cfg.to_dict(), **peak,
+              "lap_cost_s": lap_cost, "ladder": [], "scaling": []}
+    try:
+        for i, (stage, c) in enumerate(todo):
+            if progress:
+                progress(i, len(todo), f"{stage.name} N={c.run.n_envs}")
+            row = measure_stage(stage, c, device, peak_flops=peak["peak_flops"],
+                                lap_cost=lap_cost)
+            (result["ladder"] if i < len(stages) else result["scaling"]).append(row)
+    except KeyboardInterrupt as stop:
+        result["interrupted"] = signal.Signals(signum_of(stop)).name
     _add_ratios(result["ladder"])
     ok = [r for r in result["ladder"] + result["scaling"] if r.get("status") == "ok"]
     if ok:
@@ -226,6 +247,9 @@ def format_ladder(result: dict) -> str:
     m = result["meta"]
     lines.append(f"device: {m['device_name']} ({m['device']}), torch {m['torch']}, "
                  f"peak {result['peak_flops'] / 1e9:.1f} GFLOP/s ({result['peak_dtype']} matmul)")
+    if result.get("interrupted"):
+        lines.append(f"PARTIAL: interrupted by {result['interrupted']}; what is not listed did "
+                     "not run")
     return "\n".join(lines)
 
 

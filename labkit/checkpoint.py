@@ -1,17 +1,22 @@
-"""Checkpoints: a pipeline's ``state_dict()`` on disk, written atomically.
+"""Checkpoints: a pipeline's ``state_dict()`` on disk, written atomically, verified on load.
 
 What is saved is exactly what warmup and graph capture save and restore (``Pipeline.state_dict``:
-model, optimizer, env, collector, metrics, sampling generator, counters), moved to the CPU.
-``save(path, payload)`` writes a uniquely named temporary file next to ``path``, flushes and
-fsyncs it, then renames it over ``path`` (atomic on POSIX and Windows), so a crash or kill at
-any moment leaves either the previous checkpoint or the new one, never a torn file.
-``load(path)`` raises :class:`CheckpointError` naming the path when it is missing or unreadable.
+model, optimizer, env, collector, metrics, sampling generator, counters), moved to the CPU, with
+the run's config. The file is a short header (magic, SHA-256 of the rest) and a ``torch.save``
+payload; ``save`` writes it through :func:`labkit.files.atomic_write`, so a crash or kill at any
+moment leaves either the previous checkpoint or the new one, never a torn file. ``load``
+verifies the checksum and the contents and raises :class:`CheckpointError` naming the path and
+the field: missing, truncated, a flipped byte, another format, missing keys, non-finite
+parameters.
 
 Not saved: an fp16 ``GradScaler``'s scale (GPUs without bf16 only), which re-calibrates within a
 few steps after a resume, so such a resumed run is not bit-identical.
 """
 from __future__ import annotations
 
+import hashlib
+import io
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -21,12 +26,18 @@ import torch
 from .capture import tree_map
 from .files import atomic_write
 
-FORMAT = 2
+FORMAT = 3
 FILENAME = "checkpoint.pt"
+MAGIC = b"LABKITCK"
+#: What a checkpoint payload holds, and what its state holds.
+KEYS = ("format", "config", "device", "wall_s", "state")
+STATE_KEYS = ("agent", "optimizer", "collector", "metrics", "generator", "global_step",
+              "iteration")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable or not one of ours; the message names the path."""
+    """A checkpoint is missing, unreadable, corrupt or does not fit its run; the message names
+    the path and the field."""
 
 
 def to_cpu(obj: Any) -> Any:
@@ -35,26 +46,80 @@ def to_cpu(obj: Any) -> Any:
 
 
 def save(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` (tensors moved to the CPU) to ``path`` atomically."""
+    """Write ``payload`` (tensors moved to the CPU) to ``path`` atomically, with a checksum."""
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT, **to_cpu(payload)}, buf)
+    body = buf.getvalue()
     with atomic_write(path, "wb") as f:
-        torch.save({"format": FORMAT, **to_cpu(payload)}, f)
+        f.write(MAGIC + hashlib.sha256(body).digest() + body)
     return Path(path)
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`save` (tensors on the CPU). Raises
-    :class:`CheckpointError` naming ``path`` if it is missing, truncated, corrupt or of
-    another format."""
+    """Read and verify a checkpoint written by :func:`save` (tensors on the CPU)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
+    data = path.read_bytes()
+    head = len(MAGIC) + 32
+    if len(data) < head or not data.startswith(MAGIC):
+        raise CheckpointError(f"{path} is not a labkit checkpoint of format {FORMAT} "
+                              "(no labkit header; truncated, or another file)")
+    body = data[head:]
+    if hashlib.sha256(body).digest() != data[len(MAGIC):head]:
+        raise CheckpointError(f"{path} is corrupt: its checksum does not match its contents")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
     except Exception as err:
-        raise CheckpointError(f"cannot read checkpoint {path} (truncated or corrupt?): "
-                              f"{type(err).__name__}: {err}") from err
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(err).__name__}: "
+                              f"{err}") from err
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise CheckpointError(f"{path} is not a labkit checkpoint of format {FORMAT} "
                               f"(found {found!r})")
     return payload
+
+
+def check(payload: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
+    """The payload of a training run's checkpoint, its fields checked: every key present, the
+    device a device name, the counters integers, every floating-point tensor of the model and
+    optimizer finite. Raises :class:`CheckpointError` naming ``path`` and the field."""
+    for key in KEYS:
+        if key not in payload:
+            raise CheckpointError(f"{path}: field {key!r} is missing")
+    state = payload["state"]
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: field 'state' must be a dict")
+    for key in STATE_KEYS:
+        if key not in state:
+            raise CheckpointError(f"{path}: field 'state.{key}' is missing")
+    for key in ("global_step", "iteration"):
+        if isinstance(state[key], bool) or not isinstance(state[key], int) or state[key] < 0:
+            raise CheckpointError(f"{path}: field 'state.{key}' must be an int >= 0, got "
+                                  f"{state[key]!r}")
+    try:
+        torch.device(payload["device"])
+    except (RuntimeError, TypeError, ValueError):
+        raise CheckpointError(f"{path}: field 'device' is not a device: "
+                              f"{payload['device']!r}") from None
+    if not isinstance(payload["wall_s"], (int, float)) or not math.isfinite(payload["wall_s"]):
+        raise CheckpointError(f"{path}: field 'wall_s' must be a finite number")
+    for part in ("agent", "optimizer"):
+        bad = _first_non_finite(state[part], f"state.{part}")
+        if bad:
+            raise CheckpointError(f"{path}: field {bad!r} holds non-finite values (NaN or "
+                                  "inf); this state cannot train")
+    return payload
+
+
+def _first_non_finite(obj: Any, prefix: str) -> str | None:
+    if isinstance(obj, torch.Tensor):
+        ok = not obj.is_floating_point() or bool(torch.isfinite(obj).all())
+        return None if ok else prefix
+    items = obj.items() if isinstance(obj, dict) else \
+        enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in items:
+        bad = _first_non_finite(value, f"{prefix}.{key}")
+        if bad:
+            return bad
+    return None

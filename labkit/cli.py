@@ -1,33 +1,31 @@
-"""``python -m labkit {ladder,train,bench-env}``."""
+"""``python -m labkit {ladder,train,bench-env,plot-runs}``.
+
+User errors (a bad flag value, an unusable output path, a bad checkpoint) print one line
+``error: ...`` naming the field or path and exit 2, before any work starts. Faults of the
+machine during work (a full disk) print one line saying what failed and where the finished work
+is, and exit 1. Ctrl-C, SIGTERM and SIGHUP keep what finished and exit 128 + the signal.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
-from .files import write_json
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def cmd_bench_env(args: argparse.Namespace) -> int:
-    from .device import resolve_device
-    from .envs.bench import bench_envs, format_table
-
-    device = resolve_device(args.device)
-    result = bench_envs(device=device, repeats=args.repeats)
-    print(format_table(result))
-    out = write_json(Path(args.out) / f"bench_env_{device.type}.json", result)
-    print(f"wrote {out}")
-    return 0
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 def _stage_list(text: str) -> list:
@@ -50,13 +48,36 @@ def _stage(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def cmd_bench_env(args: argparse.Namespace) -> int:
+    from .device import resolve_device
+    from .envs.bench import bench_envs, format_table
+    from .files import check_output_dir, write_json
+
+    device = resolve_device(args.device)
+    out = check_output_dir(args.out) / f"bench_env_{device.type}.json"
+    _check_not_a_folder(out)
+    result = bench_envs(device=device, repeats=args.repeats)
+    print(format_table(result))
+    write_json(out, result)
+    print(f"wrote {out}")
+    return 0
+
+
+def _check_not_a_folder(path: Path) -> None:
+    from .files import OutputError
+    if path.is_dir():
+        raise OutputError(f"--out: {path} is a folder; it must be a file name free to write")
+
+
 def cmd_ladder(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from .bench import format_ladder, format_phases, format_scaling, run_ladder
+    from .bench import format_ladder, format_phases, format_scaling, ladder_plan, run_ladder
     from .config import BenchConfig
     from .device import resolve_device
+    from .files import check_output_dir, write_json
     from .plots import save_figures
+    from .signals import stop_signals
 
     device = resolve_device(args.device)
     profile = args.profile or ("full" if device.type == "cuda" else "quick")
@@ -65,6 +86,10 @@ def cmd_ladder(args: argparse.Namespace) -> int:
     if args.scaling_n_envs:
         overrides["scaling_n_envs"] = tuple(args.scaling_n_envs)
     cfg = BenchConfig.from_profile(profile, **overrides)
+    ladder_plan(cfg, device, args.stages, not args.no_scaling)  # every size checked up front
+    stem = f"ladder_{device.type}_{profile}"
+    out_dir = check_output_dir(args.out)
+    _check_not_a_folder(out_dir / f"{stem}.json")
     bar = tqdm(total=1, desc="ladder", unit="run", disable=args.no_progress)
 
     def progress(i: int, total: int, what: str) -> None:
@@ -73,31 +98,27 @@ def cmd_ladder(args: argparse.Namespace) -> int:
         bar.set_postfix_str(what)
         bar.refresh()
 
-    result = run_ladder(cfg, device, stages=args.stages, scaling=not args.no_scaling,
-                        profile=profile, progress=progress)
+    with stop_signals():
+        result = run_ladder(cfg, device, stages=args.stages, scaling=not args.no_scaling,
+                            profile=profile, progress=progress)
     bar.n = bar.total
     bar.close()
     print(format_ladder(result))
-    print("\nwhere an iteration goes:\n" + format_phases(result))
+    if any(r.get("status") == "ok" for r in result["ladder"]):
+        print("\nwhere an iteration goes:\n" + format_phases(result))
     if result["scaling"]:
         print("\nscaling sweep:\n" + format_scaling(result))
-    stem = f"ladder_{device.type}_{profile}"
-    out = write_json(Path(args.out) / f"{stem}.json", result)
-    figures = save_figures(result, args.out, stem)
+    if result.get("interrupted"):
+        stem += "_partial"
+    out = write_json(out_dir / f"{stem}.json", result)
+    figures = save_figures(result, out_dir, stem)
     print(f"wrote {out}, " + ", ".join(str(p) for p in figures))
+    if result.get("interrupted"):
+        import signal
+        return 128 + signal.Signals[result["interrupted"]]
     failed = [r for r in result["ladder"] + result["scaling"]
               if r["status"].startswith("error")]
     return 1 if failed else 0
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
 
 
 TRAIN_OPTIONS = ("stage", "device", "n_envs", "n_steps", "total_steps", "seed", "value_head",
@@ -105,9 +126,8 @@ TRAIN_OPTIONS = ("stage", "device", "n_envs", "n_steps", "total_steps", "seed", 
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import time
-
-    from .train import TrainConfig, TrainingInterrupted, train
+    from .files import check_output_dir, unique_folder
+    from .train import TrainConfig, TrainingFailed, TrainingInterrupted, check_runnable, train
 
     given = {k: getattr(args, k) for k in TRAIN_OPTIONS if getattr(args, k) is not None}
     if args.resume:
@@ -118,39 +138,77 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ValueError("--resume continues the run in its own folder; drop --out or "
                              "give the same folder")
         cfg, out = None, Path(args.resume)
+        if not out.is_dir():
+            raise ValueError(f"--resume {out}: no such run folder")
     else:
         cfg = TrainConfig.flat(**given)
-        out = Path(args.out or time.strftime("runs/train-%Y%m%d-%H%M%S"))
+        check_runnable(cfg)
+        out = check_output_dir(args.out) if args.out else unique_folder(
+            "runs/train-%Y%m%d-%H%M%S")
     try:
         s = train(cfg, out, resume=bool(args.resume), progress=not args.no_progress)
     except TrainingInterrupted as err:
         print(f"\n{err}\ncontinue with: python -m labkit train --resume {out}", file=sys.stderr)
-        return 130
+        return 128 + err.signum
+    except TrainingFailed as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
-        print("\ninterrupted before training started; nothing saved", file=sys.stderr)
+        kept = (out / "checkpoint.pt").exists()
+        print("\ninterrupted before training " + (
+            f"resumed; {out / 'checkpoint.pt'} is unchanged" if kept else
+            "started; nothing saved"), file=sys.stderr)
         return 130
+    if s.get("already_complete"):
+        print(f"the run in {out} is already complete ({s['steps']:,} steps); nothing to do")
+        return 0
+    rate = s["steps_per_s"]
     print(f"trained {s['steps']:,} steps ({s['stage']} on {s['device']}) in {s['wall_s']:.0f} s: "
-          f"final mean return {s['final_mean_return']:.2f}, {s['steps_per_s']:,.0f} steps/s "
-          f"({s['steady_steps_per_s']:,.0f} after the first iteration); wrote {out}")
+          f"final mean return {_num(s['final_mean_return'], '.2f')}, "
+          f"{_num(rate, ',.0f')} steps/s this session; wrote {out}")
     return 0
+
+
+def _one_line(text: object) -> str:
+    """A message on one line (torch's errors span several)."""
+    return " ".join(str(text).split())
+
+
+def _num(value: float | None, spec: str) -> str:
+    """A figure for people; "n/a" for a missing one (NaN, or null in a JSON summary)."""
+    return "n/a" if value is None or value != value else format(value, spec)
 
 
 def cmd_plot_runs(args: argparse.Namespace) -> int:
     import matplotlib.pyplot as plt
 
+    from .files import check_output_dir
     from .plots import learning_curves, run_curve
 
+    for d in args.runs:
+        if not (Path(d) / "metrics.jsonl").is_file():
+            raise ValueError(f"runs: {d} is not a train run folder (no metrics.jsonl in it)")
+    out = Path(args.out)
+    check_output_dir(out.parent, "--out's folder")
+    _check_not_a_folder(out)
     curves = {Path(d).name: run_curve(d) for d in args.runs}
     axes = learning_curves(curves, oracle=args.oracle)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    axes[0].figure.savefig(args.out, dpi=120)
+    axes[0].figure.savefig(out, dpi=120)
     plt.close(axes[0].figure)
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line ``error: ...`` (exit 2), like every other."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog.removeprefix('python -m labkit ')}: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__)
+    parser = _Parser(prog="python -m labkit", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("bench-env", help="time each Forage implementation")
@@ -167,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated stage indices or names (default: all)")
     p.add_argument("--n-envs", type=_positive_int, default=None, help="N of the ladder sweep")
     p.add_argument("--n-steps", type=_positive_int, default=None, help="rollout length T")
-    p.add_argument("--iterations", type=_positive_int, default=None,
+    p.add_argument("--iterations", type=_int_at_least(2), default=None,
                    help="steady-state iterations per stage (>= 2)")
     p.add_argument("--scaling-n-envs", type=_positive_int, nargs="+", default=None,
                    help="N values of the scaling sweep")
@@ -191,9 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=_non_negative_int, default=None,
                    help="iterations between checkpoints, 0 = only at the end (default: 25)")
     p.add_argument("--out", default=None,
-                   help="run folder (default: runs/train-<date>-<time>)")
+                   help="run folder (default: a new runs/train-<date>-<time>)")
     p.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue the run saved in DIR/checkpoint.pt")
+                   help="continue the run in DIR (from its checkpoint, or from its start)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
@@ -206,10 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .files import describe_os_error
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, TypeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except OSError as err:
+        print(f"error: {_one_line(describe_os_error(err))}", file=sys.stderr)
+        return 1

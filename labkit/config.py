@@ -6,6 +6,7 @@ how the ladder measures it, and ``labkit.train.TrainConfig`` how long a training
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from .envs.spec import ForageSpec, check_int, check_n_envs, check_seed
@@ -126,6 +127,47 @@ class BenchConfig:
         return {"run": self.run.to_dict(), "iterations": self.iterations,
                 "scaling_n_envs": list(self.scaling_n_envs),
                 "stage_timeout_s": self.stage_timeout_s}
+
+
+def memory_estimate(run: RunConfig) -> int:
+    """Bytes a pipeline of ``run`` needs at its peak, roughly and on the generous side: the
+    (T, N) rollout storage (observations 4 B x 3 x V x V per sample plus six scalars), the
+    activations of one update minibatch and their gradients, and per-env state and scratch."""
+    obs = 4 * 3 * run.spec.view ** 2
+    side = run.spec.view - 2
+    activations = 4 * 2 * (16 * side ** 2 + 32 * (side - 2) ** 2 + 128)  # saved + their grads
+    per_sample = obs + 6 * 8 + 2 * activations / run.ppo.n_minibatches
+    grid = (run.spec.height + run.spec.view) * (run.spec.width + run.spec.view)
+    per_env = 4 * grid + 6 * obs + 2 * activations
+    return int(run.batch_size * per_sample + run.n_envs * per_env)
+
+
+def available_memory(device) -> int | None:
+    """Free bytes on ``device`` (CUDA: ``mem_get_info``; CPU: MemAvailable), None if unknown."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_memory(run: RunConfig, device) -> None:
+    """Refuse, before allocating anything, a run that cannot fit in ``device``'s free memory."""
+    need, free = memory_estimate(run), available_memory(device)
+    if free is not None and need > free:
+        raise ValueError(f"n_envs={run.n_envs} x n_steps={run.n_steps} needs about "
+                         f"{need / 2**30:.1f} GiB on {device}, and {free / 2**30:.1f} GiB is "
+                         "free; use fewer envs or a shorter rollout")
 
 
 def split_run_fields(kwargs: dict) -> tuple[dict, dict]:

@@ -76,3 +76,100 @@ def write_jsonl(path: str | os.PathLike, records: list[dict]) -> Path:
     with atomic_write(path) as f:
         f.writelines(dumps(r) + "\n" for r in records)
     return Path(path)
+
+
+class OutputError(ValueError):
+    """An output path that cannot be used; the message names the path and why."""
+
+
+def check_output_dir(path: str | os.PathLike, what: str = "--out") -> Path:
+    """Make sure ``path`` is (or can become) a writable folder, before any work starts.
+
+    Creates it if needed and writes a probe file in it. Raises :class:`OutputError` naming
+    ``what`` and the path: it exists as a file, a parent is a file, no permission, a read-only
+    or virtual file system."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{what} {path}: exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".labkit-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise OutputError(f"{what} {path}: cannot write there ({reason})") from None
+    return path
+
+
+def describe_os_error(err: OSError) -> str:
+    """One line for an OSError: what failed, on which path."""
+    where = f" {err.filename}" if err.filename else ""
+    return f"{err.strerror or str(err) or type(err).__name__}{where}"
+
+
+class FolderLock:
+    """An exclusive lock on a folder (``.lock`` inside it), held while a run writes there.
+
+    It is an OS file lock (``fcntl.flock``), so a killed process releases it and a stale lock
+    file never blocks anyone; the file records the holder's pid for the error message.
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.path = Path(folder) / self.NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> FolderLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            _lock_fd(fd)
+        except OSError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise OutputError(f"{self.path.parent} is in use by another labkit process "
+                              f"(pid {holder}); wait for it or choose another folder") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the lock
+            self._fd = None
+
+    def __enter__(self) -> FolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _lock_fd(fd: int) -> None:
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        import msvcrt
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def unique_folder(pattern: str) -> Path:
+    """A new folder named by ``time.strftime(pattern)``, with ``-2``, ``-3``... appended when
+    that name is taken (two runs started in the same second get two folders)."""
+    import time
+
+    base = Path(time.strftime(pattern))
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        path = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise OutputError(f"no free folder name like {base}")

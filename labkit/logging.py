@@ -15,6 +15,7 @@ from __future__ import annotations
 import numbers
 import os
 import queue
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -62,6 +63,18 @@ def _to_python(value: object) -> object:
     return value
 
 
+def _check_not_deleted(stream: IO[str]) -> None:
+    """Raise if ``stream``'s file was deleted (or its folder removed) under it: writing on
+    would silently write to nowhere."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a file (a StringIO, a socket wrapper): nothing to check
+    if os.fstat(fd).st_nlink == 0:
+        raise FileNotFoundError(f"the log file {getattr(stream, 'name', '?')} was deleted "
+                                "while being written")
+
+
 def _close_stream(stream: IO[str], owned: bool) -> None:
     if owned:
         stream.close()
@@ -97,8 +110,10 @@ class SyncLogger(_LoggerBase):
         self._stream.write(dumps(record) + "\n")
 
     def flush(self) -> None:
+        """Write buffered records out; raises if the file was deleted meanwhile."""
         if self._finalizer.alive:
             self._stream.flush()
+            _check_not_deleted(self._stream)
 
     def close(self) -> None:
         self._finalizer()
@@ -113,6 +128,7 @@ class _Writer:
         self.stream = stream
         self.owned = owned
         self.error: BaseException | None = None
+        self.reported = False  # whether the logger raised self.error to its user
         self.orphaned = False
         self.thread = threading.Thread(target=self._run, name="labkit-async-logger", daemon=True)
         self.thread.start()
@@ -143,8 +159,10 @@ class _Writer:
             event.synchronize()  # the D2H copies of this record have landed in pinned memory
         record = {"step": step, **{k: _to_python(v) for k, v in values.items()}}
         self.stream.write(dumps(record) + "\n")
-        if self.queue.empty():  # idle: make the file current for readers tailing it
-            self.stream.flush()
+        # Flushing each record (on this thread, off the hot path) surfaces a full disk or a
+        # deleted file at the record that failed, not a buffer's worth of records later.
+        self.stream.flush()
+        _check_not_deleted(self.stream)
 
     def shutdown(self) -> None:
         """Write everything queued, stop the thread, close (or flush) the stream."""
@@ -158,6 +176,15 @@ class _Writer:
         self.queue.put(_STOP)
         self.thread.join()
         self._close_stream()
+
+    def shutdown_unattended(self) -> None:
+        """``shutdown`` at garbage collection or interpreter exit, when nobody will call log()
+        or close() again: a writer error is reported on stderr rather than lost."""
+        self.shutdown()
+        if self.error is not None and not self.reported:
+            sys.stderr.write(f"labkit: AsyncLogger writer failed: {self.error!r}; records "
+                             "after the failure were not written\n")
+            self.reported = True
 
     def _close_stream(self) -> None:
         try:
@@ -185,13 +212,14 @@ class AsyncLogger(_LoggerBase):
     """
 
     def __init__(self, target: Target, max_queue: int = 1024, mode: str = "w") -> None:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int):
+            raise TypeError(f"max_queue must be an int >= 1, got {type(max_queue).__name__}")
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         stream, owned = _open(target, mode)
         self.max_queue = max_queue
         self._writer = _Writer(stream, owned, max_queue)
-        self._finalizer = weakref.finalize(self, self._writer.shutdown)
-        self._error_raised = False
+        self._finalizer = weakref.finalize(self, self._writer.shutdown_unattended)
 
     @property
     def pending(self) -> int:
@@ -232,12 +260,16 @@ class AsyncLogger(_LoggerBase):
         self._raise_writer_error()
 
     def close(self) -> None:
-        self._finalizer()
+        self._shutdown()
         self._raise_writer_error()
+
+    def _shutdown(self) -> None:
+        if self._finalizer.detach() is not None:  # still open: the caller is here to be told
+            self._writer.shutdown()
 
     def _raise_writer_error(self) -> None:
         error = self._writer.error
-        if error is not None and not self._error_raised:
-            self._error_raised = True
-            self._finalizer()
+        if error is not None and not self._writer.reported:
+            self._writer.reported = True
+            self._shutdown()
             raise RuntimeError(f"AsyncLogger writer thread failed: {error!r}") from error

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .capture import clone_state, load_optimizer_state_
-from .config import RunConfig
+from .config import RunConfig, check_memory
 from .device import has_bf16, resolve_device
 from .envs import ForageNumpy, ForagePyList, ForageTorch, ForageTorchLoop
 from .executors import Compiled, Eager, Graphed
@@ -155,6 +155,7 @@ class Pipeline:
         reason = stage.skip_reason(device)
         if reason:
             raise StageSkipped(f"{stage.name}: {reason}")
+        check_memory(cfg, device)
         self.ppo = cfg.ppo
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)

@@ -13,7 +13,9 @@ the stage's workload (what the ladder times), not the training record.
 """
 from __future__ import annotations
 
+import json
 import math
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
@@ -23,12 +25,19 @@ from typing import Any
 import torch
 
 from . import checkpoint
-from .config import RunConfig, split_run_fields
+from .config import RunConfig, check_memory, split_run_fields
 from .device import ALLOWED as DEVICES
 from .device import resolve_device
 from .envs.spec import check_int
-from .files import write_json, write_jsonl
+from .files import (
+    FolderLock,
+    check_output_dir,
+    describe_os_error,
+    write_json,
+    write_jsonl,
+)
 from .logging import SyncLogger
+from .signals import signals_deferred, signum_of, stop_signals
 from .stages import Pipeline, StageSkipped, get_stage
 
 METRICS = "metrics.jsonl"
@@ -100,13 +109,35 @@ def _device_syntax_ok(device: str) -> bool:
         return False
 
 
-class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C during training, after the last iteration boundary was checkpointed."""
+CONFIG = "config.json"
+#: A folder holding any of these holds a run.
+RUN_FILES = (CONFIG, METRICS, "checkpoint.pt")
 
-    def __init__(self, checkpoint_path: Path, iteration: int) -> None:
-        super().__init__(f"interrupted; state after iteration {iteration} saved to "
-                         f"{checkpoint_path}")
-        self.checkpoint_path, self.iteration = checkpoint_path, iteration
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """A stop signal (Ctrl-C, SIGTERM, SIGHUP) during training; the state of the last finished
+    iteration was saved (or, before the first one, nothing needed saving)."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT,
+                 checkpoint_path: Path | None = None, iteration: int | None = None) -> None:
+        super().__init__(message)
+        self.signum, self.checkpoint_path, self.iteration = signum, checkpoint_path, iteration
+
+
+class TrainingFailed(RuntimeError):
+    """Training stopped on a fault of the run or the machine (a non-finite loss, a full
+    disk); the message says what happened and where the last good state is."""
+
+
+def check_runnable(cfg: TrainConfig) -> torch.device:
+    """The device ``cfg`` trains on, after checking (before anything is written) that the
+    device exists, the stage can run there and the run fits in its memory."""
+    device = resolve_device(cfg.device)
+    reason = get_stage(cfg.stage).skip_reason(device)
+    if reason:
+        raise ValueError(f"stage {cfg.stage!r} cannot run on {device}: {reason}")
+    check_memory(cfg.run, device)
+    return device
 
 
 def build_pipeline(cfg: TrainConfig, device: torch.device) -> Pipeline:
@@ -133,18 +164,21 @@ def _read_stats(pipeline: Pipeline, stats: dict) -> dict[str, float]:
 
 def _read_metrics(path: Path, keep_through: int) -> list[dict]:
     """The records of iterations 1..``keep_through`` in ``path``. A crash after a checkpoint
-    may have logged later iterations (they will run again) or half a line: both dropped."""
-    import json
-
+    may have logged later iterations (they will run again) or half a last line: both are
+    dropped. A bad line with good lines after it is damage, not a crash: an error."""
     if not path.exists():
         return []
+    lines = path.read_text(encoding="utf-8").splitlines()
     kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
         except ValueError:
-            break
-        if record.get("iteration", math.inf) > keep_through:
+            if number == len(lines):
+                break  # the torn last line of an interrupted write
+            raise ValueError(f"{path} line {number} is not valid JSON (and later lines are); "
+                             "repair or delete that line, then resume") from None
+        if not isinstance(record, dict) or record.get("iteration", math.inf) > keep_through:
             break
         kept.append(record)
     return kept
@@ -160,95 +194,181 @@ def _final_means(recent: deque) -> tuple[float, float]:
     return ret, length
 
 
+def _open_run(cfg: TrainConfig | None, out: Path, resume: bool
+              ) -> tuple[TrainConfig, dict | None]:
+    """The run's config and its checkpoint payload (None: start from iteration 0).
+
+    A new run writes ``config.json`` first, so a folder whose run died before its first
+    checkpoint can be resumed from its start."""
+    ckpt_path, cfg_path = out / checkpoint.FILENAME, out / CONFIG
+    if not resume:
+        if cfg is None:
+            raise ValueError("cfg is required unless resume=True")
+        if any((out / name).exists() for name in RUN_FILES):
+            raise ValueError(f"out folder {out} already holds a run; resume it (--resume "
+                             f"{out}) or choose another folder")
+        write_json(cfg_path, cfg.to_dict())
+        return cfg, None
+    saved = None
+    if ckpt_path.exists():
+        saved = checkpoint.check(checkpoint.load(ckpt_path), ckpt_path)
+        source, data = ckpt_path, saved["config"]
+    elif cfg_path.exists():
+        source, data = cfg_path, json.loads(cfg_path.read_text(encoding="utf-8"))
+    else:
+        raise ValueError(f"no run to resume in {out}: neither {checkpoint.FILENAME} nor "
+                         f"{CONFIG} is there")
+    try:
+        saved_cfg = TrainConfig.from_dict(data)
+    except (KeyError, TypeError, ValueError) as err:
+        raise checkpoint.CheckpointError(f"{source}: its config is not valid: "
+                                         f"{type(err).__name__}: {err}") from None
+    if cfg is not None and cfg.to_dict() != saved_cfg.to_dict():
+        raise ValueError(f"cfg differs from the config saved in {source}; pass cfg=None to "
+                         "resume with the saved one")
+    if saved is not None:
+        it, step = saved["state"]["iteration"], saved["state"]["global_step"]
+        if it > saved_cfg.n_iterations or step != it * saved_cfg.run.batch_size:
+            raise checkpoint.CheckpointError(
+                f"{ckpt_path}: field 'state.iteration' ({it}) or 'state.global_step' ({step}) "
+                f"does not fit a run of {saved_cfg.n_iterations} iterations of "
+                f"{saved_cfg.run.batch_size} steps")
+    return saved_cfg, saved
+
+
 def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
           progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
-    """Train, writing ``out/metrics.jsonl``, ``out/checkpoint.pt`` and ``out/summary.json``.
+    """Train, writing ``out/config.json``, ``out/metrics.jsonl``, ``out/checkpoint.pt`` and
+    ``out/summary.json``.
 
-    ``resume=True`` continues the run saved in ``out/checkpoint.pt`` with its saved config
-    (``cfg`` must be None or equal to it) and appends to its metrics. ``stop_after`` ends the
-    run early after that iteration (counted from the run's start), with a checkpoint, as a clean
-    Ctrl-C would. Ctrl-C saves the state of the last finished iteration, closes the logs and
-    raises :class:`TrainingInterrupted`. Returns the summary (also written to summary.json).
+    ``resume=True`` continues the run saved in ``out`` with its saved config (``cfg`` must be
+    None or equal to it), from its checkpoint or, if it died before the first one, from its
+    start. ``stop_after`` ends the run early after that iteration (counted from the run's
+    start), with a checkpoint. Ctrl-C, SIGTERM and SIGHUP save the state of the last finished
+    iteration, close the logs and raise :class:`TrainingInterrupted` (further signals wait for
+    the save). A non-finite loss or a write error raises :class:`TrainingFailed` saying where
+    the last good state is. The folder is locked while training: a second process writing to
+    it gets a clear error. Returns the summary (also written to summary.json).
     """
-    from tqdm.auto import tqdm
-
-    out = Path(out)
-    ckpt_path = out / checkpoint.FILENAME
-    saved = None
-    if resume:
-        saved = checkpoint.load(ckpt_path)
-        saved_cfg = TrainConfig.from_dict(saved["config"])
-        if cfg is not None and cfg.to_dict() != saved_cfg.to_dict():
-            raise ValueError(f"cfg differs from the config saved in {ckpt_path}; pass cfg=None "
-                             "to resume with the saved one")
-        cfg = saved_cfg
-    elif cfg is None:
-        raise ValueError("cfg is required unless resume=True")
-    elif ckpt_path.exists() or (out / METRICS).exists():
-        raise ValueError(f"out folder {out} already holds a run; resume it or choose another")
     if stop_after is not None:
         check_int("stop_after", stop_after, 1)
+    if cfg is not None:
+        check_runnable(cfg)
+    if resume and not any((Path(out) / name).exists() for name in RUN_FILES):
+        raise ValueError(f"no run to resume in {out}: neither {checkpoint.FILENAME} nor "
+                         f"{CONFIG} is there")
+    out = check_output_dir(out)
+    with FolderLock(out):
+        return _train_locked(cfg, out, resume, progress, stop_after)
 
-    device = resolve_device(cfg.device)
+
+def _train_locked(cfg: TrainConfig | None, out: Path, resume: bool, progress: bool,
+                  stop_after: int | None) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    ckpt_path = out / checkpoint.FILENAME
+    cfg, saved = _open_run(cfg, out, resume)
+    device = check_runnable(cfg)
     if saved is not None and torch.device(saved["device"]).type != device.type:
         raise ValueError(f"{ckpt_path} was written on {saved['device']}; resume it on the same "
                          f"kind of device (got {device}): the sampling generator's state is "
                          "device-specific")
+    start = saved["state"]["iteration"] if saved is not None else 0
+    if saved is not None and start == cfg.n_iterations:
+        if (out / SUMMARY).exists():
+            return {**json.loads((out / SUMMARY).read_text(encoding="utf-8")),
+                    "already_complete": True}
+        raise ValueError(f"the run in {out} is complete ({start} iterations); nothing to resume")
+    kept = _read_metrics(out / METRICS, start)
     pipe = build_pipeline(cfg, device)
     wall_before = 0.0
     if saved is not None:
-        pipe.load_state_dict(saved["state"])
+        try:
+            pipe.load_state_dict(saved["state"])
+        except (KeyError, RuntimeError, TypeError, ValueError) as err:
+            pipe.close()
+            raise checkpoint.CheckpointError(f"{ckpt_path}: its state does not fit its config "
+                                             f"({type(err).__name__}: {err})") from None
         wall_before = float(saved["wall_s"])
-    start = pipe.iteration_index
     end = cfg.n_iterations if stop_after is None else max(start, min(stop_after,
                                                                      cfg.n_iterations))
-    out.mkdir(parents=True, exist_ok=True)
-    kept = _read_metrics(out / METRICS, start)
-    if saved is not None:
+    if saved is not None or (out / METRICS).exists():
         write_jsonl(out / METRICS, kept)
     recent: deque = deque(kept[-FINAL_WINDOW:], maxlen=FINAL_WINDOW)
 
     metrics_log = SyncLogger(out / METRICS, mode="a")
     state, state_wall = pipe.state_dict(), wall_before
+    saved_iteration = start if saved is not None else None
 
-    def save_state() -> Path:
-        return checkpoint.save(ckpt_path, {"config": cfg.to_dict(), "device": str(device),
-                                           "wall_s": state_wall, "state": state})
+    def save_state() -> None:
+        nonlocal saved_iteration
+        checkpoint.save(ckpt_path, {"config": cfg.to_dict(), "device": str(device),
+                                    "wall_s": state_wall, "state": state})
+        saved_iteration = state["iteration"]
+
+    def where_saved() -> str:
+        if saved_iteration is None:
+            return "no checkpoint was written yet"
+        return f"{ckpt_path} holds the state after iteration {saved_iteration}"
 
     bar = tqdm(total=cfg.n_iterations * cfg.run.batch_size, initial=start * cfg.run.batch_size,
                unit="step", unit_scale=True, desc=f"train {cfg.stage}", disable=not progress)
     first_iter_s = None
     t_start = time.perf_counter()
+    failed = True
     try:
-        for it in range(start, end):
-            t0 = time.perf_counter()
-            stats = pipe.iteration()
-            record = {"iteration": it + 1, **_read_stats(pipe, stats),
-                      **{k: stats[k] for k in ("episodes", "mean_return", "std_return",
-                                               "mean_length")}}
-            now = time.perf_counter()
-            iter_s = now - t0
-            first_iter_s = iter_s if first_iter_s is None else first_iter_s
-            record.update(iter_s=iter_s, sps=cfg.run.batch_size / iter_s,
-                          wall_s=wall_before + now - t_start)
-            metrics_log.log(pipe.global_step, **record)
-            metrics_log.flush()
-            recent.append(record)
-            state, state_wall = pipe.state_dict(), record["wall_s"]
-            if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
-                save_state()
-            bar.update(cfg.run.batch_size)
-            if record["episodes"]:
-                bar.set_postfix(ret=f"{record['mean_return']:.2f}", sps=f"{record['sps']:.0f}")
-        save_state()
-    except KeyboardInterrupt:
+        with stop_signals():
+            for it in range(start, end):
+                t0 = time.perf_counter()
+                stats = pipe.iteration()
+                record = {"iteration": it + 1, **_read_stats(pipe, stats),
+                          **{k: stats[k] for k in ("episodes", "mean_return", "std_return",
+                                                   "mean_length")}}
+                if not all(math.isfinite(record[k]) for k in UPDATE_KEYS):
+                    bad = [k for k in UPDATE_KEYS if not math.isfinite(record[k])]
+                    with signals_deferred():
+                        if state["iteration"] != saved_iteration:
+                            save_state()  # the last finite state
+                    raise TrainingFailed(f"the loss became non-finite ({', '.join(bad)}) in "
+                                         f"iteration {it + 1}; stopped. {where_saved()}")
+                now = time.perf_counter()
+                iter_s = now - t0
+                first_iter_s = iter_s if first_iter_s is None else first_iter_s
+                record.update(iter_s=iter_s, sps=cfg.run.batch_size / iter_s,
+                              wall_s=wall_before + now - t_start)
+                metrics_log.log(pipe.global_step, **record)
+                metrics_log.flush()
+                recent.append(record)
+                state, state_wall = pipe.state_dict(), record["wall_s"]
+                if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
+                    with signals_deferred():
+                        save_state()
+                bar.update(cfg.run.batch_size)
+                if record["episodes"]:
+                    bar.set_postfix(ret=f"{record['mean_return']:.2f}",
+                                    sps=f"{record['sps']:.0f}")
+        with signals_deferred():
+            save_state()
+        failed = False
+    except KeyboardInterrupt as stop:
         # Mid-iteration state is torn; the last boundary's copy is what resumes exactly.
-        save_state()
-        raise TrainingInterrupted(ckpt_path, state["iteration"]) from None
+        signum = signum_of(stop)
+        with signals_deferred():
+            save_state()
+        raise TrainingInterrupted(
+            f"interrupted by {signal.Signals(signum).name}; {where_saved()}", signum,
+            ckpt_path, saved_iteration) from None
+    except OSError as err:
+        raise TrainingFailed(f"writing the run failed: {describe_os_error(err)}. "
+                             f"{where_saved()}") from None
     finally:
         bar.close()
-        metrics_log.close()
         pipe.close()
+        try:
+            metrics_log.close()
+        except OSError:
+            if not failed:
+                raise
 
     session_s = time.perf_counter() - t_start
     ran = end - start

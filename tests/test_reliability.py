@@ -1,0 +1,572 @@
+"""No lost work, no tracebacks for user errors, one run per folder (one test per defect of the
+reliability issue, and a table of bad CLI inputs)."""
+from __future__ import annotations
+
+import gc
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit import checkpoint
+from labkit.cli import main
+from labkit.config import BenchConfig, RunConfig
+from labkit.envs.spec import ForageSpec
+from labkit.files import FolderLock, OutputError, check_output_dir, unique_folder
+from labkit.logging import AsyncLogger, SyncLogger
+from labkit.ppo import PPOConfig
+from labkit.stages import Pipeline, get_stage
+from labkit.train import TrainConfig, TrainingFailed, train
+
+ROOT = Path(__file__).parents[1]
+SPEC = ForageSpec(episode_length=20)
+# 2 iterations of 4 envs x 16 steps: a complete run in about a second.
+TINY = ["--stage", "async_logging", "--device", "cpu", "--n-envs", "4", "--n-steps", "16",
+        "--total-steps", "128", "--checkpoint-every", "1", "--no-progress"]
+
+
+def tiny_config(**overrides) -> TrainConfig:
+    kwargs = dict(stage="async_logging", device="cpu", n_envs=4, n_steps=16, total_steps=128,
+                  seed=3, checkpoint_every=1, spec=SPEC)
+    return TrainConfig.flat(**{**kwargs, **overrides})
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` and a hash of its bytes (the lock file is not data)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != FolderLock.NAME}
+
+
+def rewrite_checkpoint(path: Path, edit) -> None:
+    payload = checkpoint.load(path)
+    edit(payload)
+    payload.pop("format")
+    checkpoint.save(path, payload)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("finished") / "run"
+    train(tiny_config(), out, progress=False)
+    return out
+
+
+@pytest.fixture
+def copy_of(finished_run, tmp_path):
+    def make(name: str = "run") -> Path:
+        dst = tmp_path / name
+        shutil.copytree(finished_run, dst)
+        (dst / ".lock").unlink(missing_ok=True)
+        return dst
+    return make
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def start_training(out: Path, *extra: str, script_prefix: str = "") -> subprocess.Popen:
+    """A long training run in a real process (4 envs x 16 steps per iteration)."""
+    code = (f"{script_prefix}\nimport sys\nfrom labkit.cli import main\n"
+            f"sys.exit(main(sys.argv[1:]))")
+    argv = ["--stage", "async_logging", "--device", "cpu", "--n-envs", "4", "--n-steps", "16",
+            "--total-steps", "640000", "--no-progress", "--out", str(out), *extra]
+    return subprocess.Popen([sys.executable, "-c", code, "train", *argv], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(predicate, timeout: float = 120.0, what: str = "") -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if time.time() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def metrics_lines(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+# ---------------------------------------------------------------- 1. file-system errors
+
+
+@pytest.mark.parametrize("kind", ["file", "under_a_file", "proc"])
+def test_unusable_out_is_one_line_exit_2_before_any_work(tmp_path, capsys, kind):
+    target = {"file": tmp_path / "f", "under_a_file": tmp_path / "f" / "sub",
+              "proc": Path("/proc/labkit-x")}[kind]
+    (tmp_path / "f").write_text("not a folder")
+    before = snapshot(tmp_path)
+    for argv in (["train", *TINY, "--out", str(target)],
+                 ["ladder", "--device", "cpu", "--stages", "3", "--no-progress",
+                  "--out", str(target)],
+                 ["bench-env", "--repeats", "1", "--out", str(target)]):
+        start = time.perf_counter()
+        code, out, err = run_cli(argv, capsys)
+        assert code == 2 and out == "", argv
+        assert err.count("\n") == 1 and err.startswith("error: ") and str(target) in err
+        assert time.perf_counter() - start < 5  # refused before the benchmark ran
+    assert snapshot(tmp_path) == before
+
+
+def test_plot_runs_on_a_missing_folder_is_a_clear_error(tmp_path, capsys):
+    code, _, err = run_cli(["plot-runs", str(tmp_path / "nope"), "--out",
+                            str(tmp_path / "x.png")], capsys)
+    assert code == 2 and "not a train run folder" in err and err.count("\n") == 1
+
+
+def test_a_full_disk_during_training_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys,
+                                                                           monkeypatch):
+    real_save = checkpoint.save
+    calls = []
+
+    def save_or_fail(path, payload):
+        calls.append(payload["state"]["iteration"])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", str(path))
+        return real_save(path, payload)
+
+    monkeypatch.setattr(checkpoint, "save", save_or_fail)
+    out = tmp_path / "run"
+    code, _, err = run_cli(["train", *TINY, "--total-steps", "320", "--out", str(out)], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert "No space left on device" in err and "state after iteration 1" in err
+    assert checkpoint.load(out / "checkpoint.pt")["state"]["iteration"] == 1
+
+
+# ---------------------------------------------------------------- 2. a stuck run folder
+
+
+def test_a_run_killed_before_its_first_checkpoint_resumes_from_its_start(tmp_path):
+    out = tmp_path / "r"
+    proc = start_training(out, "--total-steps", "640", "--checkpoint-every", "0",
+                          script_prefix="import time, labkit.train as t\n"
+                          "_it = t.Pipeline.iteration\n"
+                          "def slow(self):\n    time.sleep(0.3)\n    return _it(self)\n"
+                          "t.Pipeline.iteration = slow")
+    wait_for(lambda: metrics_lines(out) >= 2, what="two iterations")
+    proc.kill()
+    proc.wait(timeout=60)
+    assert not (out / "checkpoint.pt").exists() and (out / "config.json").exists()
+    r = subprocess.run([sys.executable, "-m", "labkit", "train", "--resume", str(out),
+                        "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [rec["iteration"] for rec in records] == list(range(1, 11))
+
+
+# ---------------------------------------------------------------- 3. and 4. signals
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_save_and_exit_128_plus_signal(tmp_path, sig):
+    out = tmp_path / "r"
+    proc = start_training(out, "--checkpoint-every", "0")
+    wait_for(lambda: metrics_lines(out) >= 2, what="two iterations")
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err
+    assert f"interrupted by {signal.Signals(sig).name}" in err and "--resume" in err
+    saved = checkpoint.load(out / "checkpoint.pt")["state"]["iteration"]
+    # the state of the last finished iteration (its metrics line may be one ahead of it)
+    assert saved >= 1 and metrics_lines(out) in (saved, saved + 1)
+
+
+def test_a_second_ctrl_c_during_the_save_does_not_lose_it(tmp_path):
+    out = tmp_path / "r"
+    marker = tmp_path / "saving"
+    prefix = ("import time, pathlib, labkit.checkpoint as c\n_save = c.save\n"
+              "def slow_save(path, payload):\n"
+              f"    pathlib.Path({str(marker)!r}).touch()\n"
+              "    time.sleep(1.5)\n    return _save(path, payload)\nc.save = slow_save")
+    proc = start_training(out, "--checkpoint-every", "0", script_prefix=prefix)
+    wait_for(lambda: metrics_lines(out) >= 2, what="two iterations")
+    proc.send_signal(signal.SIGINT)
+    wait_for(marker.exists, what="the save to start")
+    proc.send_signal(signal.SIGINT)  # while saving
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "nothing saved" not in err and "interrupted by SIGINT" in err
+    iteration = checkpoint.load(out / "checkpoint.pt")["state"]["iteration"]
+    assert f"state after iteration {iteration}" in err and iteration >= 1
+
+
+# ---------------------------------------------------------------- 5. one run per folder
+
+
+def test_a_second_process_cannot_write_to_a_folder_in_use(tmp_path, capsys):
+    out = tmp_path / "r"
+    proc = start_training(out, "--checkpoint-every", "1")
+    try:
+        wait_for(lambda: metrics_lines(out) >= 1, what="one iteration")
+        for argv in (["train", *TINY, "--out", str(out)],
+                     ["train", "--resume", str(out), "--no-progress"]):
+            code, _, err = run_cli(argv, capsys)
+            assert code == 2 and "in use by another labkit process" in err, argv
+            assert f"pid {proc.pid}" in err
+        assert proc.poll() is None  # the first run was not disturbed
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    with FolderLock(out):  # released when its holder exits
+        pass
+
+
+def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folders = {unique_folder("runs/train-%Y%m%d-%H%M") for _ in range(3)}
+    assert len(folders) == 3 and all(f.is_dir() for f in folders)
+
+
+# ---------------------------------------------------------------- 6. damaged metrics
+
+
+def test_a_bad_line_in_the_middle_of_the_metrics_stops_resume(copy_of, capsys):
+    run = copy_of()
+    # make the run unfinished (4 iterations, 2 done) so that resuming reads its metrics
+    rewrite_checkpoint(run / "checkpoint.pt", lambda p: p["config"].update(total_steps=256))
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text(lines[0][:10] + "\n" + "\n".join(lines[1:]) + "\n")
+    before = snapshot(run)
+    code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
+    assert code == 2 and "metrics.jsonl line 1 is not valid JSON" in err
+    assert snapshot(run) == before  # nothing dropped
+
+
+# ---------------------------------------------------------------- 7. and 8. the ladder
+
+
+def test_ladder_keeps_what_it_measured_on_ctrl_c(tmp_path, capsys, monkeypatch):
+    import labkit.bench
+
+    real = labkit.bench.measure_stage
+    calls = []
+
+    def measure_then_interrupt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)  # a real Ctrl-C, during the second stage
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(labkit.bench, "measure_stage", measure_then_interrupt)
+    code, out, _ = run_cli(["ladder", "--device", "cpu", "--stages", "3,4", "--n-envs", "4",
+                            "--n-steps", "8", "--no-scaling", "--no-progress",
+                            "--out", str(tmp_path)], capsys)
+    assert code == 130
+    assert "batched_ops" in out and "PARTIAL: interrupted by SIGINT" in out
+    result = json.loads((tmp_path / "ladder_cpu_quick_partial.json").read_text())
+    assert result["interrupted"] == "SIGINT"
+    assert [r["name"] for r in result["ladder"]] == ["batched_ops"]
+
+
+def test_every_size_the_ladder_will_use_is_checked_first(tmp_path, capsys):
+    start = time.perf_counter()
+    code, out, err = run_cli(["ladder", "--device", "cpu", "--n-envs", "8", "--n-steps", "2",
+                              "--scaling-n-envs", "1", "--no-progress", "--out",
+                              str(tmp_path)], capsys)
+    assert code == 2 and "n_minibatches" in err and out == ""
+    assert time.perf_counter() - start < 5 and list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- 9. and 10. checkpoints
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda p: p.pop("device"), "field 'device' is missing"),
+    (lambda p: p["state"].pop("optimizer"), "field 'state.optimizer' is missing"),
+    (lambda p: p.update(device="tpu:0"), "field 'device' is not a device"),
+    (lambda p: p["config"]["run"].update(value_head="popart"), "does not fit its config"),
+    (lambda p: p["config"]["run"]["spec"].update(view=9), "does not fit its config"),
+    (lambda p: p["config"]["run"].update(n_envs="four"), "config is not valid"),
+    (lambda p: p["state"].update(iteration=99, global_step=99 * 64), "state.iteration"),
+    (lambda p: p["state"].update(iteration=-1), "state.iteration"),
+    (lambda p: p["state"]["agent"]["actor.weight"].fill_(math.nan),
+     "'state.agent.actor.weight' holds non-finite"),
+])
+def test_checkpoint_contents_are_validated(copy_of, capsys, edit, needle):
+    run = copy_of()
+    rewrite_checkpoint(run / "checkpoint.pt",
+                       lambda p: (p["config"].update(total_steps=256), edit(p)))
+    before = snapshot(run)
+    code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert str(run / "checkpoint.pt") in err or "config" in err
+    assert needle in err
+    assert snapshot(run) == before
+
+
+def test_a_flipped_byte_is_caught_by_the_checksum(copy_of, capsys):
+    run = copy_of()
+    data = bytearray((run / "checkpoint.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (run / "checkpoint.pt").write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match="checksum"):
+        checkpoint.load(run / "checkpoint.pt")
+    code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
+    assert code == 2 and "corrupt" in err
+
+
+def test_training_stops_when_the_loss_becomes_non_finite(tmp_path, monkeypatch):
+    iteration = Pipeline.iteration
+
+    def poisoned(self):
+        if self.iteration_index == 2:
+            with torch.no_grad():
+                self.agent.actor.weight.fill_(math.nan)
+        return iteration(self)
+
+    monkeypatch.setattr(Pipeline, "iteration", poisoned)
+    out = tmp_path / "r"
+    with pytest.raises(TrainingFailed, match="non-finite .* in iteration 3.*after iteration 2"):
+        train(tiny_config(total_steps=320, checkpoint_every=0), out, progress=False)
+    saved = checkpoint.check(checkpoint.load(out / "checkpoint.pt"), out)
+    assert saved["state"]["iteration"] == 2  # the last finite state, and it loads
+
+
+# ---------------------------------------------------------------- 11. a finished run
+
+
+def test_resuming_a_finished_run_changes_nothing(copy_of, capsys):
+    run = copy_of()
+    before = snapshot(run)
+    code, out, _ = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
+    assert code == 0 and "already complete" in out
+    assert snapshot(run) == before
+    summary = json.loads((run / "summary.json").read_text())  # standard JSON: no bare NaN
+    assert "NaN" not in (run / "summary.json").read_text()
+    assert summary["complete"] and summary["steps"] == 128
+
+
+# ---------------------------------------------------------------- 12. memory across builds
+
+
+@pytest.mark.slow
+def test_rebuilding_compiled_pipelines_does_not_grow_memory():
+    psutil = pytest.importorskip("psutil")
+    proc = psutil.Process()
+    cfg = RunConfig(n_envs=8, n_steps=16)
+    rss = []
+    for _ in range(10):
+        with Pipeline("compile_warmup", cfg, "cpu") as p:
+            p.iteration()
+        del p
+        gc.collect()
+        rss.append(proc.memory_info().rss)
+    assert (rss[-1] - rss[3]) / 6 < 0.5 * 2**20, [r / 2**20 for r in rss]
+
+
+# ---------------------------------------------------------------- 13. API edges
+
+
+def test_api_edges_give_clear_errors():
+    cfg = RunConfig(n_envs=8, n_steps=16)
+    with Pipeline(get_stage(7), cfg, "cpu") as p:
+        assert p.device.type == "cpu"
+    with Pipeline(3, cfg, "cpu") as p:
+        assert p.stage.name == "batched_ops"
+    with pytest.raises(ValueError, match="stage must be one of"):
+        get_stage(True)
+    with pytest.raises(TypeError, match="stage_timeout_s"):
+        BenchConfig(stage_timeout_s="10")
+    with pytest.raises(ValueError, match="stage_timeout_s"):
+        BenchConfig(stage_timeout_s=math.nan)
+    with pytest.raises(TypeError, match="max_queue"):
+        AsyncLogger(io.StringIO(), max_queue="5")
+    for value in (math.inf, -math.inf, math.nan):
+        with pytest.raises(ValueError, match="lr"):
+            PPOConfig(lr=value)
+    with pytest.raises(ValueError, match="needs about .* GiB on cpu"):
+        Pipeline(3, RunConfig(n_envs=2**24, n_steps=32), "cpu")
+
+
+# ---------------------------------------------------------------- 14. the logger
+
+
+class FlushFails(io.StringIO):
+    def __init__(self, ok_flushes: int) -> None:
+        super().__init__()
+        self.ok = ok_flushes
+
+    def flush(self) -> None:
+        if self.ok == 0:
+            raise OSError(28, "No space left on device")
+        self.ok -= 1
+        super().flush()
+
+
+def test_a_writer_error_surfaces_at_the_next_log():
+    logger = AsyncLogger(FlushFails(ok_flushes=3))
+    for i in range(4):
+        logger.log(i, x=i)
+    wait_for(lambda: logger._writer.error is not None, 10, "the writer to fail")
+    with pytest.raises(RuntimeError, match="No space left"):
+        logger.log(4, x=4)
+
+
+def test_a_dropped_logger_reports_its_error_on_stderr(tmp_path):
+    script = ("import io\nfrom labkit.logging import AsyncLogger\n"
+              "class Bad(io.StringIO):\n"
+              "    def write(self, s):\n        raise OSError('disk full')\n"
+              "logger = AsyncLogger(Bad())\nlogger.log(1, x=1)\n")
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "AsyncLogger writer failed" in r.stderr
+    assert "disk full" in r.stderr
+
+
+@pytest.mark.parametrize("cls", [SyncLogger, AsyncLogger])
+def test_a_deleted_log_folder_is_noticed(tmp_path, cls):
+    folder = tmp_path / "logs"
+    logger = cls(folder / "steps.jsonl")
+    logger.log(0, x=1)
+    logger.flush()
+    shutil.rmtree(folder)
+    with pytest.raises((RuntimeError, FileNotFoundError), match="was deleted"):
+        for i in range(1, 1000):
+            logger.log(i, x=i)
+            logger.flush()
+    logger.close()
+
+
+def test_a_deleted_run_folder_stops_training(tmp_path, monkeypatch):
+    out = tmp_path / "r"
+    iteration = Pipeline.iteration
+
+    def delete_then_iterate(self):
+        if self.iteration_index == 1:
+            (out / "metrics.jsonl").unlink()
+        return iteration(self)
+
+    monkeypatch.setattr(Pipeline, "iteration", delete_then_iterate)
+    with pytest.raises(TrainingFailed, match="was deleted"):
+        train(tiny_config(total_steps=320), out, progress=False)
+
+
+# ---------------------------------------------------------------- bad CLI inputs, a table
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+BAD_TRAIN = [
+    (["--n-envs", "0"], "--n-envs"), (["--n-envs", "-3"], "--n-envs"),
+    (["--n-envs", "abc"], "--n-envs"), (["--n-envs", "1.5"], "--n-envs"),
+    (["--n-steps", "0"], "--n-steps"), (["--n-steps", "x"], "--n-steps"),
+    (["--total-steps", "0"], "--total-steps"), (["--total-steps", "10"], "total_steps"),
+    (["--seed", "-1"], "--seed"), (["--seed", "4294967296"], "seed"),
+    (["--seed", "abc"], "--seed"), (["--stage", "9"], "--stage"),
+    (["--stage", "warp"], "--stage"), (["--stage", ""], "--stage"),
+    (["--stage", "-1"], "--stage"), (["--device", "tpu"], "device"),
+    (["--device", ""], "device"), (["--device", "cuda:99"], "CUDA"),
+    (["--value-head", "gaussian"], "--value-head"), (["--checkpoint-every", "-1"],
+                                                     "--checkpoint-every"),
+    (["--checkpoint-every", "x"], "--checkpoint-every"),
+    (["--n-envs", "3", "--n-steps", "3"], "n_minibatches"),
+    (["--n-envs", "16777216", "--total-steps", "10000000000000"], "needs about"),
+    (["--n-envs", "16777217"], "n_envs"),
+    (["--bogus"], "unrecognized arguments"), (["--n-envs"], "--n-envs"),
+]
+if NO_CUDA:
+    BAD_TRAIN.append((["--stage", "cuda_graphs"], "cuda_graphs"))
+
+BAD_LADDER = [
+    (["--n-envs", "0"], "--n-envs"), (["--n-steps", "0"], "--n-steps"),
+    (["--iterations", "1"], "--iterations"), (["--iterations", "x"], "--iterations"),
+    (["--stages", ""], "--stages"), (["--stages", ","], "--stages"),
+    (["--stages", "0,warp"], "--stages"), (["--stages", "9"], "--stages"),
+    (["--profile", "medium"], "--profile"), (["--device", "tpu"], "device"),
+    (["--scaling-n-envs", "0"], "--scaling-n-envs"),
+    (["--scaling-n-envs", "x"], "--scaling-n-envs"),
+    (["--n-envs", "8", "--n-steps", "2", "--scaling-n-envs", "1"], "n_minibatches"),
+    (["--n-envs", "3", "--n-steps", "3"], "n_minibatches"),
+    (["--n-envs", "16777216"], "needs about"), (["--n-envs", "16777217"], "n_envs"),
+]
+if NO_CUDA:
+    BAD_LADDER.append((["--device", "cuda"], "CUDA is not available"))
+
+BAD_BENCH_ENV = [
+    (["--repeats", "0"], "--repeats"), (["--repeats", "x"], "--repeats"),
+    (["--device", "tpu"], "device"), (["--device", "cuda:x"], "device"),
+]
+
+
+def _cases():
+    cases = [(["train", *TINY[:6], *argv, "--out", "OUT"], needle)
+             for argv, needle in BAD_TRAIN]
+    cases += [(["ladder", "--device", "cpu", "--no-progress", *argv, "--out", "OUT"], needle)
+              for argv, needle in BAD_LADDER]
+    cases += [(["bench-env", *argv, "--out", "OUT"], needle) for argv, needle in BAD_BENCH_ENV]
+    cases += [
+        (["train", *TINY, "--out", "FILE"], "exists and is not a folder"),
+        (["train", *TINY, "--out", "FILE/sub"], "cannot write there"),
+        (["train", *TINY, "--out", "/proc/labkit-x"], "cannot write there"),
+        (["ladder", "--device", "cpu", "--out", "FILE"], "exists and is not a folder"),
+        (["ladder", "--device", "cpu", "--out", "/proc/labkit-x"], "cannot write there"),
+        (["ladder", "--device", "cpu", "--out", "JSONDIR"], "is a folder"),
+        (["bench-env", "--out", "FILE"], "exists and is not a folder"),
+        (["bench-env", "--out", "/proc/labkit-x"], "cannot write there"),
+        (["train", "--resume", "MISSING"], "no such run folder"),
+        (["train", "--resume", "EMPTY"], "no run to resume"),
+        (["train", "--resume", "RUN", "--n-envs", "8"], "--n-envs"),
+        (["train", "--resume", "RUN", "--out", "EMPTY"], "--resume continues"),
+        (["train", *TINY, "--out", "RUN"], "already holds a run"),
+        (["plot-runs", "MISSING"], "not a train run folder"),
+        (["plot-runs", "EMPTY"], "not a train run folder"),
+        (["plot-runs", "RUN", "--oracle", "x"], "--oracle"),
+        (["plot-runs", "RUN", "--out", "FILE/x.png"], "not a folder"),
+        (["plot-runs", "RUN", "--out", "EMPTY"], "is a folder"),
+        ([], "command"), (["warp"], "invalid choice"),
+    ]
+    return cases
+
+
+CASES = _cases()
+
+
+def test_the_table_is_large_enough():
+    assert len(CASES) >= 60
+
+
+@pytest.mark.parametrize("argv, needle", CASES,
+                         ids=[" ".join(a)[-60:] for a, _ in CASES])
+def test_bad_cli_input_is_one_line_exit_2_and_writes_nothing(argv, needle, tmp_path, capsys,
+                                                            finished_run, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("a file")
+    (tmp_path / "EMPTY").mkdir()
+    (tmp_path / "JSONDIR" / "ladder_cpu_quick.json").mkdir(parents=True)
+    shutil.copytree(finished_run, tmp_path / "RUN")
+    before = snapshot(tmp_path)
+    argv = [str(tmp_path / a) if a in ("FILE", "EMPTY", "RUN", "MISSING", "OUT", "JSONDIR")
+            or a.startswith("FILE/") else a for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own exit, with our one-line message
+        code = exc.code
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    assert captured.err.count("\n") == 1 and captured.err.startswith("error: "), captured.err
+    assert needle in captured.err, captured.err
+    assert captured.out == ""
+    assert snapshot(tmp_path) == before
+    assert not (tmp_path / "OUT").exists() and not (tmp_path / "runs").exists()
+
+
+def test_check_output_dir_explains_itself(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputError, match="exists and is not a folder"):
+        check_output_dir(tmp_path / "f")
+    assert check_output_dir(tmp_path / "new" / "deep").is_dir()
+    assert os.listdir(tmp_path / "new" / "deep") == []  # the probe file is gone
