@@ -8,7 +8,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 STAMP := $(VENV)/.labkit-installed
 
-.PHONY: ladder test lab bench-env train lint clean
+.PHONY: ladder test lab record report bench-env train lint clean
 
 ladder: $(STAMP)  ## the main job: the ladder on the best device, table + JSON + PNG in results/
 	$(BIN)/python -m labkit ladder --out results
@@ -19,6 +19,12 @@ test: $(STAMP)  ## unit tests + every notebook under nbval
 
 lab: $(STAMP)  ## JupyterLab on the notebooks
 	$(BIN)/jupyter lab notebooks
+
+record: $(STAMP)  ## re-record results and notebooks on this machine (see labkit/record.py)
+	$(BIN)/python -m labkit record
+
+report: $(STAMP)  ## regenerate results/RESULTS.md and the README's results from the JSON
+	$(BIN)/python -m labkit report
 
 bench-env: $(STAMP)
 	$(BIN)/python -m labkit bench-env --out results

@@ -1,4 +1,4 @@
-"""``python -m labkit {ladder,train,bench-env,plot-runs}``.
+"""``python -m labkit {ladder,train,bench-env,record,report,plot-runs}``.
 
 User errors (a bad flag value, an unusable output path, a bad checkpoint) print one line
 ``error: ...`` naming the field or path and exit 2, before any work starts. Faults of the
@@ -199,6 +199,34 @@ def cmd_plot_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_record(args: argparse.Namespace) -> int:
+    from .device import resolve_device
+    from .files import check_output_dir
+    from .record import PARTS, record
+
+    device = resolve_device(args.device)
+    profile = args.profile or ("full" if device.type == "cuda" else "quick")
+    parts = tuple(p.strip() for p in args.parts.split(",")) if args.parts else PARTS
+    out = check_output_dir(args.out)
+    try:
+        seconds = record(device, profile, out, parts=parts, notebooks=args.notebooks,
+                         allow_dirty=args.allow_dirty,
+                         overwrite_gpu_notebooks=args.overwrite_gpu_notebooks)
+    except KeyboardInterrupt:
+        print("\ninterrupted: the parts listed above as written are kept", file=sys.stderr)
+        return 130
+    print(f"recorded {', '.join(seconds)} in {sum(seconds.values()):.0f} s")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .record import write_report
+
+    for path in write_report(args.results):
+        print(f"wrote {path}")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line ``error: ...`` (exit 2), like every other."""
 
@@ -254,6 +282,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run in DIR (from its checkpoint, or from its start)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("record", help="re-record results and notebooks on this machine")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--profile", choices=("quick", "full", "tiny"), default=None,
+                   help="default: full on CUDA, quick otherwise (tiny: seconds, for tests)")
+    p.add_argument("--parts", default=None,
+                   help="comma-separated: ladder,bench_env,learning,notebooks,report (all)")
+    p.add_argument("--notebooks", default="[0-9]*.ipynb",
+                   help="glob of the notebooks to execute in notebooks/ ('none': none)")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="record although the code is modified (commit marked -dirty)")
+    p.add_argument("--overwrite-gpu-notebooks", action="store_true",
+                   help="on a CPU, also re-execute notebooks last recorded on a GPU")
+    p.add_argument("--out", default="results", help="results folder")
+    p.set_defaults(func=cmd_record)
+
+    p = sub.add_parser("report", help="write results/RESULTS.md and the README's results")
+    p.add_argument("--results", default="results", help="results folder")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("plot-runs", help="learning curves of train runs (steps and wall time)")
     p.add_argument("runs", nargs="+", help="train --out folders")

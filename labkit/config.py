@@ -13,7 +13,7 @@ from .envs.spec import ForageSpec, check_int, check_n_envs, check_seed
 from .policy import VALUE_HEADS
 from .ppo import PPOConfig
 
-PROFILES = ("quick", "full")
+PROFILES = ("quick", "full", "tiny")
 
 
 @dataclass
@@ -104,9 +104,11 @@ class BenchConfig:
 
     @classmethod
     def from_profile(cls, name: str, **overrides) -> BenchConfig:
-        """Named presets: ``quick`` (CPU/CI, minutes on 2 cores) and ``full`` (GPU).
-        ``overrides`` may name fields of BenchConfig or of its RunConfig."""
+        """Named presets: ``quick`` (CPU/CI, minutes on 2 cores), ``full`` (GPU) and ``tiny``
+        (seconds: for tests). ``overrides`` may name fields of BenchConfig or of its RunConfig."""
         presets = {
+            "tiny": dict(run=dict(n_envs=8, n_steps=16), iterations=2, scaling_n_envs=(8,),
+                         stage_timeout_s=10.0),
             "quick": dict(run=dict(n_envs=32, n_steps=64), iterations=2,
                           scaling_n_envs=(16, 64, 256), stage_timeout_s=30.0),
             "full": dict(run=dict(n_envs=1024, n_steps=128), iterations=5,

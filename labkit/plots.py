@@ -62,13 +62,16 @@ def scaling_lines(result: dict, ax=None):
     return ax
 
 
-def learning_curves(curves: dict[str, list[dict]], axes=None, oracle: float | None = None):
-    """Mean episode return against env steps and against wall time, one line per run."""
+def learning_curves(curves: dict[str, list[dict]], axes=None, oracle: float | None = None,
+                    random: float | None = None):
+    """Mean episode return against env steps and against wall time, one line per run, with
+    the scripted oracle's and a random policy's returns as reference lines."""
     plt = _plt()
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for name, curve in curves.items():
-        points = [p for p in curve if p["mean_return"] == p["mean_return"]]  # drop NaN
+        points = [p for p in curve if isinstance(p["mean_return"], (int, float))
+                  and p["mean_return"] == p["mean_return"]]  # no episode ended: no point
         if not points:
             continue
         axes[0].plot([p["steps"] for p in points], [p["mean_return"] for p in points],
@@ -78,6 +81,8 @@ def learning_curves(curves: dict[str, list[dict]], axes=None, oracle: float | No
     for ax, xlabel in zip(axes, ("env steps", "wall time (s)")):
         if oracle is not None:
             ax.axhline(oracle, color="gray", ls="--", lw=1, label="scripted oracle")
+        if random is not None:
+            ax.axhline(random, color="gray", ls=":", lw=1, label="random policy")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("mean episode return")
     if axes[0].get_legend_handles_labels()[0]:
@@ -135,5 +140,32 @@ def phase_bars(rows: list[dict], ax=None, title: str | None = None):
     ax.set_ylabel("ms per iteration")
     ax.set_title(title or "Where an iteration goes")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.figure.tight_layout()
+    return ax
+
+
+def time_over_n(rows: list[dict], ax=None, title: str | None = None):
+    """Median ms per iteration against N (log-log) for measured rows of one stage, the model
+    work alone (the compute ceiling) beside it, and a dashed line proportional to N through
+    the smallest N. Flat: overhead-bound (N is nearly free); parallel to the dashed line:
+    the hardware is busy, each env costs its share of compute or memory traffic."""
+    plt = _plt()
+    rows = sorted((r for r in rows if r.get("status") == "ok"), key=lambda r: r["n_envs"])
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 4))
+    ns = [r["n_envs"] for r in rows]
+    ms = [1e3 * r["iteration_s"] for r in rows]
+    ceiling = [1e3 * r["n_envs"] * r["n_steps"] / r["ceiling_sps"] for r in rows]
+    ax.plot(ns, ms, marker="o", label="one PPO iteration")
+    ax.plot(ns, ceiling, marker="s", label="model work alone (ceiling)")
+    if ns:
+        ax.plot(ns, [ms[0] * n / ns[0] for n in ns], ls="--", color="gray",
+                label="proportional to N")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("N (parallel envs)")
+    ax.set_ylabel("ms per iteration (median)")
+    ax.set_title(title or "Time per iteration over N")
+    ax.legend(fontsize=8)
     ax.figure.tight_layout()
     return ax
