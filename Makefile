@@ -45,7 +45,7 @@ else
 	    $(BIN)/pip install "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX) \
 	    --extra-index-url https://pypi.org/simple
 endif
-	$(BIN)/pip install -e ".[dev,notebooks]"
+	$(BIN)/pip install -e ".[dev,notebooks,gym,tensorboard]"
 	touch $@
 
 clean:

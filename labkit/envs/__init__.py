@@ -13,3 +13,10 @@ __all__ = ["ACTION_DELTAS", "EMPTY", "FOOD", "N_ACTIONS", "POISON", "WALL", "For
            "ForagePy", "ForagePyList", "ForageSpec", "ForageTorch", "ForageTorchLoop", "Layout",
            "bench_envs", "format_table", "kth_free", "mean_return", "oracle_actions",
            "random_actions"]
+
+try:  # Gymnasium is optional (pip install labkit[gym]): register labkit/Forage-v0 if present
+    from .gym import register as _register_gymnasium
+except ImportError:
+    pass
+else:
+    _register_gymnasium()

@@ -1,0 +1,99 @@
+"""Forage in Gymnasium: the env checker passes silently, make/make_vec work, and the vector env
+is ForageNumpy (or ForageTorch) bit for bit, same-step autoreset included."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gym = pytest.importorskip("gymnasium")
+
+from labkit.envs import ForageNumpy, ForagePy, ForageSpec, ForageTorch  # noqa: E402
+from labkit.envs.gym import ENV_ID, ForageEnv, ForageVectorEnv  # noqa: E402
+
+SPEC = ForageSpec(episode_length=20)
+
+
+def test_the_env_checker_passes_without_warnings():
+    from gymnasium.utils.env_checker import check_env
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_env(ForageEnv(), skip_render_check=True)
+        env = gym.make(ENV_ID)  # with Gymnasium's passive checker and order enforcing
+        env.reset(seed=0)
+        for _ in range(200):
+            env.step(env.action_space.sample())
+    assert [str(w.message) for w in caught] == []
+
+
+def test_single_env_episodes_follow_the_reference_stream():
+    """Episode after episode (reset() after each truncation) equals ForagePy's same-step
+    stream; the truncating step returns the episode's own last observation."""
+    env, ref = ForageEnv(SPEC), ForagePy(SPEC, seed=4, final_obs=True)
+    obs, _ = env.reset(seed=4)
+    ref_obs = ref.reset()[0]
+    rng = np.random.default_rng(0)
+    ended = 0
+    for _ in range(3 * SPEC.episode_length):
+        a = int(rng.integers(5))
+        obs, reward, term, trunc, info = env.step(a)
+        ref_obs, ref_reward, _, ref_trunc, ref_info = ref.step(a)
+        assert reward == ref_reward and trunc == ref_trunc and not term
+        if trunc:
+            ended += 1
+            assert np.array_equal(obs, np.asarray(ref_info["final_observation"], np.float32))
+            assert info["episode_return"] == ref_info["episode_return"]
+            obs, _ = env.reset()
+        assert np.array_equal(obs, np.asarray(ref_obs, np.float32))
+    assert ended == 3
+    with pytest.raises(ValueError, match="action must be"):
+        env.step(7)
+    with pytest.raises(ValueError, match="seed must be"):
+        env.reset(seed=-1)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_vector_env_is_the_vectorized_forage_bit_for_bit(backend):
+    envs = gym.make_vec(ENV_ID, num_envs=8, forage=SPEC, backend=backend)
+    assert isinstance(envs, ForageVectorEnv)
+    assert envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.SAME_STEP
+    if backend == "numpy":
+        ref = ForageNumpy(8, SPEC, 3, final_obs=True)
+        as_array = np.asarray
+    else:
+        ref = ForageTorch(8, SPEC, 3, final_obs=True)
+        as_array = torch.as_tensor
+    obs, _ = envs.reset(seed=3)
+    ref_obs, _ = ref.reset()
+    equal = np.array_equal if backend == "numpy" else torch.equal
+    assert equal(obs, ref_obs)
+    rng = np.random.default_rng(1)
+    finals = 0
+    for _ in range(50):
+        a = rng.integers(0, 5, 8)
+        obs, reward, term, trunc, info = envs.step(as_array(a))
+        ref_obs, ref_reward, _, ref_trunc, ref_info = ref.step(as_array(a))
+        assert equal(obs, ref_obs) and equal(reward, ref_reward) and equal(trunc, ref_trunc)
+        assert equal(info["final_obs"], ref_info["final_observation"])
+        finals += int(info["_final_obs"].sum())
+    assert finals == 16  # two 20-step episodes ended in every env within 50 steps
+    with pytest.raises(ValueError, match="backend must be"):
+        ForageVectorEnv(2, backend="jax")
+
+
+def test_a_cleanrl_style_loop_trains_on_it():
+    path = Path(__file__).parents[1] / "examples" / "cleanrl_gymnasium.py"
+    spec = importlib.util.spec_from_file_location("cleanrl_gymnasium", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["cleanrl_gymnasium"] = module
+    spec.loader.exec_module(module)
+    out = module.main(module.Args(total_timesteps=4096, num_envs=16, num_steps=32,
+                                  cuda=False))
+    assert out["iterations"] == 8 and np.isfinite(out["loss"])
+    assert len(out["episode_returns"]) == 16 * 2  # 256 steps per env: two 128-step episodes
