@@ -1,4 +1,4 @@
-"""``python -m labkit {ladder,train,bench-env,record,report,plot-runs}``.
+"""``python -m labkit {ladder,train,bench-env,record,report,profile,doctor,plot-runs}``.
 
 User errors (a bad flag value, an unusable output path, a bad checkpoint) print one line
 ``error: ...`` naming the field or path and exit 2, before any work starts. Faults of the
@@ -219,6 +219,40 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .capture import warmup
+    from .config import RunConfig
+    from .device import resolve_device
+    from .files import check_output_dir
+    from .profiling import top_ops, trace_pipeline
+    from .stages import Pipeline, StageSkipped
+
+    device = resolve_device(args.device)
+    cfg = RunConfig(n_envs=args.n_envs, n_steps=args.n_steps)
+    out = check_output_dir(args.out)
+    try:
+        pipe = Pipeline(args.stage, cfg, device)
+    except StageSkipped as err:
+        raise ValueError(f"--stage: {err}") from None
+    with pipe:
+        warmup(pipe)  # compilation and capture stay out of the trace
+        prof, path = trace_pipeline(pipe, out, iterations=args.iterations)
+    print(f"{pipe.stage.name} on {device}, N={cfg.n_envs} x T={cfg.n_steps}, "
+          f"{args.iterations} iteration(s) after a warmup; top ops by self time per iteration:")
+    print(top_ops(prof, torch_cpu(), n=args.top, per=args.iterations))
+    if device.type == "cuda":
+        print("\nCUDA kernels:")
+        print(top_ops(prof, device, n=args.top, per=args.iterations))
+    print(f"wrote {path} (open it in https://ui.perfetto.dev, chrome://tracing, or "
+          f"TensorBoard's PyTorch profiler: tensorboard --logdir {out})")
+    return 0
+
+
+def torch_cpu():
+    import torch
+    return torch.device("cpu")
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from .record import write_report
 
@@ -301,6 +335,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="write results/RESULTS.md and the README's results")
     p.add_argument("--results", default="results", help="results folder")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("profile", help="a torch.profiler trace of steady-state iterations")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--stage", type=_stage, default="fused_amp", help="0-8 or a name")
+    p.add_argument("--n-envs", type=_positive_int, default=64, help="N (default: 64)")
+    p.add_argument("--n-steps", type=_positive_int, default=32, help="T (default: 32)")
+    p.add_argument("--iterations", type=_positive_int, default=1,
+                   help="iterations traced, after one warmup (default: 1)")
+    p.add_argument("--top", type=_positive_int, default=15, help="rows of the top-ops table")
+    p.add_argument("--out", default="runs/profile", help="folder for the trace")
+    p.set_defaults(func=cmd_profile)
+
+    from .doctor import add_parser as add_doctor_parser
+    add_doctor_parser(sub)
 
     p = sub.add_parser("plot-runs", help="learning curves of train runs (steps and wall time)")
     p.add_argument("runs", nargs="+", help="train --out folders")

@@ -18,6 +18,7 @@ import math
 import torch
 from torch import nn
 
+from labkit import debug
 from labkit.envs.spec import N_ACTIONS, N_CHANNELS
 
 HIDDEN = 128
@@ -187,7 +188,9 @@ def sample_action(net: nn.Module, obs: torch.Tensor, generator: torch.Generator 
     with a host sync on CUDA. ``generator`` must live on the same device as ``obs``; it stays
     outside any compiled region (dynamo does not trace generators).
     """
+    debug.check(observations=obs)
     logits, value = net(obs)
+    debug.check(logits=logits, values=value)
     logp = logits.float().log_softmax(-1)
     noise = torch.empty_like(logp).exponential_(generator=generator)
     action = (logp - noise.log()).argmax(-1)

@@ -15,6 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from labkit import debug
 from labkit.envs.spec import check_int
 
 
@@ -206,9 +207,11 @@ def minibatch_step(mb: Batch, *, loss_fn: LossFn, optimizer: torch.optim.Optimiz
     with autocast():
         loss, stats = loss_fn(mb.obs, mb.actions, mb.logprobs, mb.advantages, mb.returns,
                               mb.values)
+    debug.check(losses=loss)
     optimizer.zero_grad(set_to_none=True)
     if scaler is None:
         loss.backward()
+        debug.check_grads(params)
         stats["grad_norm"] = clip_grad(params, max_grad_norm)
         optimizer.step()
     else:

@@ -1,14 +1,18 @@
 """``torch.profiler`` made short: profile a few calls, read the top ops and op counts."""
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from .device import synchronize
+from .files import atomic_write
 
 
 def profile_calls(fn: Callable[[], object], device: torch.device, calls: int = 1,
@@ -52,3 +56,57 @@ def top_ops(prof: profile, device: torch.device, n: int = 10, per: int = 1) -> s
 def op_counts(prof: profile, prefix: str = "aten::") -> Counter:
     """How many times each op ran (by name, e.g. ``aten::clone``)."""
     return Counter({e.key: e.count for e in prof.key_averages() if e.key.startswith(prefix)})
+
+
+def trace_pipeline(pipeline, out_dir: str | os.PathLike, iterations: int = 1,
+                   name: str | None = None) -> tuple[profile, Path]:
+    """Profile ``iterations`` steady-state iterations of ``pipeline`` (warm it up first) and
+    write a Chrome trace (Perfetto, ``chrome://tracing``, TensorBoard's PyTorch profiler
+    plugin) with one ``phase: <name>`` range per phase of the pipeline's ``PhaseClock``, the
+    same phases as ``phase_ms``. Returns the profile and the trace's path."""
+    device = pipeline.device
+    clock = pipeline.clock
+    marks: list[tuple[str, int]] = []
+    lap = clock.lap
+
+    def lap_and_mark(phase: str) -> None:  # host timestamps of the very laps phase_ms uses
+        marks.append((phase, time.perf_counter_ns()))
+        lap(phase)
+
+    clock.lap = lap_and_mark
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if device.type == "cuda" else [])
+    try:
+        with profile(activities=activities) as prof:
+            with record_function("labkit: clock anchor"):
+                anchor_ns = time.perf_counter_ns()
+            clock.start()
+            marks.append(("start", time.perf_counter_ns()))
+            for _ in range(iterations):
+                pipeline.iteration()
+            synchronize(device)
+            clock.stop()
+    finally:
+        del clock.lap  # back to the class's method
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name or pipeline.stage.name}_{device.type}.pt.trace.json"
+    prof.export_chrome_trace(str(path))
+    _add_phase_ranges(path, anchor_ns, marks)
+    return prof, path
+
+
+def _add_phase_ranges(path: Path, anchor_ns: int, marks: list[tuple[str, int]]) -> None:
+    """Write ``phase: <name>`` ranges into the trace, aligned on the anchor's own event."""
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    anchor = next(e for e in events if e.get("name") == "labkit: clock anchor")
+    offset_us = float(anchor["ts"]) - anchor_ns / 1e3
+    for (_, start), (phase, end) in zip(marks, marks[1:]):
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"phase: {phase}",
+                       "pid": anchor["pid"], "tid": anchor["tid"],
+                       "ts": start / 1e3 + offset_us, "dur": (end - start) / 1e3,
+                       "args": {"labkit phase": phase}})
+    with atomic_write(path) as f:
+        json.dump(trace, f)

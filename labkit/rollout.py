@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from . import debug
 from .timing import PhaseClock
 
 
@@ -91,6 +92,7 @@ class Collector:
         raise NotImplementedError
 
     def _finish_step(self, reward: torch.Tensor, done: torch.Tensor) -> None:
+        debug.check(rewards=reward)
         self.storage.write(self.t, rewards=reward)
         self.done.copy_(done)
         self.reward_mean.copy_(reward.mean())

@@ -1,0 +1,920 @@
+"""``labkit doctor``: run a few iterations under every meter labkit has and report regressions.
+
+``diagnose(stage_or_pipeline)`` warms the pipeline up off the clock (``labkit.capture.warmup``),
+then runs:
+
+1. ``iterations`` timed iterations with the pipeline's phase clock (``PhaseClock``): the
+   iteration time and where it went, which gives each finding its estimated cost;
+2. one iteration under the sync meter with call sites (every host read, by ``file:line``) and
+   ``torch.profiler`` (op counts per rollout step and per update);
+3. one iteration eagerly (``torch.compiler.set_stance("force_eager")``, so compiled code is
+   seen too) under a ``TorchFunctionMode`` that watches tensor factories, host-to-device
+   copies, clones and the model's layers, by call site.
+
+Between iterations it takes memory snapshots (live tensors via ``gc``, the tensors each
+component holds, process RSS, CUDA memory), and around them dynamo's counters (new graphs
+compiled after warmup, graph breaks, with dynamo's reasons).
+
+Findings are judged against what the stage is meant to do, never against zero:
+
+* ``host_read``: a read of tensor data on the host. A sync the code marks as deliberate with
+  a comment (``# ... deliberate ...``) and that runs at most once per iteration is accepted
+  (the device metrics' one ``.tolist()`` per update); everything else is a finding, grouped by
+  the component it comes from.
+* ``cpu_allocation``: a tensor factory called from labkit or user code without ``device=``
+  (on a CPU run: it would be a CPU tensor on a GPU) or producing a CPU tensor on a CUDA run
+  (pinned staging buffers excepted), and on CUDA every host-to-device copy.
+* ``memory_growth``: tensors that a component holds, or that are alive at all, growing at
+  every iteration.
+* ``excess_ops``: more clones, or more model work (convolutions, matmuls), per step or per
+  update than the clean ladder stage of the same index runs at the same N and T.
+* ``recompile`` / ``graph_break``: graphs compiled after warmup, graph breaks, or a compiled
+  step that fails to compile (``fullgraph=True`` turns a graph break into an error).
+* ``precision``: fp32 where the clean stage of the same index uses bf16 or fp16 on this device.
+
+Each finding has an ``evidence`` dict, a ``cost`` (the time of the phases its component runs
+in, per iteration: an upper bound) and the ``chapter`` whose notebook teaches the fix.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import linecache
+import os
+import re
+import statistics
+import sys
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode, resolve_name
+
+from .bench import _timed_iteration
+from .capture import warmup
+from .config import RunConfig
+from .device import resolve_device, synchronize
+from .profiling import profile_calls
+from .stages import STAGES, Pipeline, Stage, get_stage
+from .syncmeter import SyncMeter, _short, call_site
+
+KINDS = ("host_read", "cpu_allocation", "memory_growth", "excess_ops", "recompile",
+         "graph_break", "precision")
+
+#: The sizes the doctor runs at unless given a RunConfig: small, it only counts.
+DOCTOR_RUN = dict(n_envs=16, n_steps=16)
+
+# Where each fix is taught: by component class (most specific), else by slot.
+_COMPONENT_FIX = {
+    "PerEnvCollector": ("02_vectorize_with_numpy",
+                        "one batched forward for all envs, actions sampled on the device"),
+    "ForagePyList": ("02_vectorize_with_numpy", "vectorized envs"),
+    "HostBatchedCollector": ("03_tensors_on_the_device",
+                             "keep the env on the device: no per-step transfers"),
+    "ForageTorchLoop": ("04_batch_everything",
+                        "one vectorized env step (torch.where, gathers) instead of per-env "
+                        "Python conditionals on device tensors"),
+    "SyncLogger": ("05_log_off_the_hot_path",
+                   "log device tensors as they are; a background thread reads them "
+                   "(AsyncLogger)"),
+    "EagerEpisodeStats": ("07_metrics_on_the_device",
+                          "aggregate episode statistics on the device, read once per update "
+                          "(DeviceEpisodeStats)"),
+    "Adam": ("08_fused_optimizers_and_amp",
+             "Adam(fused=True) with a device-tensor LR and a sync-free grad clip (FusedAdam)"),
+}
+_SLOT_FIX = {
+    "env": ("04_batch_everything", "a vectorized env step on the device, no per-env Python"),
+    "collector": ("03_tensors_on_the_device", "keep the step's tensors on the device"),
+    "logger": ("05_log_off_the_hot_path",
+               "log device tensors as they are; a background thread reads them (AsyncLogger)"),
+    "metrics": ("07_metrics_on_the_device",
+                "fixed-size accumulators on the device, read once per update "
+                "(DeviceEpisodeStats)"),
+    "optimizer": ("08_fused_optimizers_and_amp",
+                  "Adam(fused=True) with a device-tensor LR and a sync-free grad clip"),
+    "precision": ("08_fused_optimizers_and_amp",
+                  "bf16 autocast where the device has it (labkit.update.amp)"),
+    "model": ("06_compile_and_warm_up",
+              "no Python branches on tensor values in the model: each variant implements one "
+              "interface (labkit.policy's value heads), so compiled code runs straight through"),
+    "rollout": ("06_compile_and_warm_up", "compile the policy, warm up off the clock"),
+    "update": ("06_compile_and_warm_up", "compile the loss, warm up off the clock"),
+    "pipeline": ("00_measure_first", "measure the loop itself: the sync meter, the phases"),
+    "user code": ("00_measure_first", "measure your own code: the sync meter, the profiler"),
+}
+_FINITE_CHECK = ("10_the_regression_hunt",
+                 "keep finite-ness checks behind a debug switch (labkit.debug: zero kernels and "
+                 "zero host reads when off)")
+_COMPILE_FIX = ("06_compile_and_warm_up",
+                "no Python branches on tensors or on changing Python values in compiled code: "
+                "give each variant one interface (labkit.policy's value heads)")
+_CPU_ALLOC_FIX = ("03_tensors_on_the_device",
+                  "create tensors on the device: torch.zeros(..., device=x.device), or "
+                  "zeros_like / new_zeros of a device tensor, once, outside the loop")
+_COPIES_FIX = "update state in place; clone only what a later in-place write would change"
+_MODEL_WORK_FIX = ("00_measure_first",
+                   "compute shared work once and reuse it (the reference Agent runs its body "
+                   "once for both heads); count model ops per step with the profiler")
+
+#: Which phases of the pipeline's clock a component's work lands in.
+_SLOT_PHASES = {
+    "env": ("env",), "collector": ("policy", "env"), "model": ("policy", "update"),
+    "logger": ("io",), "metrics": ("metrics",), "optimizer": ("update",),
+    "precision": ("update",), "rollout": ("policy", "graph"), "update": ("update",),
+    "pipeline": ("io", "gae"), "user code": ("policy", "env", "io", "metrics", "update"),
+}
+_MODULE_SLOT = {"labkit/ppo.py": "update", "labkit/policy.py": "model",
+                "labkit/stages.py": "pipeline", "labkit/capture.py": "pipeline",
+                "labkit/update.py": "update", "labkit/timing.py": "pipeline"}
+
+_FACTORIES = {f"torch.{n}" for n in (
+    "zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "linspace", "logspace",
+    "eye", "rand", "randn", "randint", "randperm", "empty_strided", "scalar_tensor")}
+_MOVES = {"torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.copy_"}
+_CLONES = {"torch.Tensor.clone", "torch.clone"}
+_LAYERS = {"torch.conv2d", "torch.nn.functional.conv2d", "torch._C._nn.linear",
+           "torch.nn.functional.linear"}
+_COPY_OPS = ("aten::clone",)
+_MODEL_OPS = ("aten::convolution", "aten::addmm", "aten::mm", "aten::bmm")
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SITE = re.compile(r"^(?P<file>.+?):(?P<line>\d+) \((?P<func>[^)]*)\)(?: via (?P<via>.+))?$")
+_USER_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+
+# ---------------------------------------------------------------------------- the report
+
+
+@dataclass
+class Finding:
+    """One regression: what, where, the evidence, its estimated cost and the chapter to read."""
+
+    kind: str
+    where: str
+    summary: str
+    evidence: dict
+    cost: dict
+    chapter: str
+    fix: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Report:
+    """What ``diagnose`` found on one pipeline. ``format()`` is for people, ``to_dict()`` for
+    programs; ``kinds`` lists the finding kinds."""
+
+    stage: str
+    device: str
+    n_envs: int
+    n_steps: int
+    iterations: int
+    status: str = "ok"
+    findings: list[Finding] = field(default_factory=list)
+    iteration_s: float | None = None
+    phase_ms: dict = field(default_factory=dict)
+    host_reads: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def kinds(self) -> list[str]:
+        return sorted({f.kind for f in self.findings}, key=KINDS.index)
+
+    def to_dict(self) -> dict:
+        return {"stage": self.stage, "device": self.device, "n_envs": self.n_envs,
+                "n_steps": self.n_steps, "iterations": self.iterations, "status": self.status,
+                "iteration_s": self.iteration_s, "phase_ms": self.phase_ms,
+                "host_reads": self.host_reads, "memory": self.memory, "notes": self.notes,
+                "findings": [f.to_dict() for f in self.findings]}
+
+    def format(self) -> str:
+        head = f"labkit doctor: {self.stage} on {self.device}, N={self.n_envs} x T={self.n_steps}"
+        if self.status != "ok":
+            return f"{head}: {self.status}"
+        lines = [head + (f", {self.iterations} timed iterations (median "
+                         f"{1e3 * self.iteration_s:.1f} ms)" if self.iteration_s else "")]
+        reads = self.host_reads
+        if reads:
+            accepted = ", ".join(f"{n} at {s}" for s, n in reads.get("accepted", {}).items())
+            lines.append(f"host reads: {reads['per_step']:g} per rollout step, "
+                         f"{reads['per_update']} per update"
+                         + (f" (deliberate, accepted: {accepted})" if accepted else ""))
+        lines += self.notes
+        if not self.findings:
+            lines.append("no findings: the stage does only what it is meant to")
+            return "\n".join(lines)
+        n = len(self.findings)
+        lines.append(f"{n} finding{'s' if n > 1 else ''}:")
+        for i, f in enumerate(self.findings, 1):
+            lines.append(f"\n{i}. [{f.kind}] {f.where}: {f.summary}")
+            for line in _evidence_lines(f):
+                lines.append(f"     {line}")
+            if f.cost.get("ms_per_iteration") is not None:
+                lines.append(f"   cost: up to {f.cost['ms_per_iteration']:.1f} ms per iteration "
+                             f"({'+'.join(f.cost['phases'])}), "
+                             f"{100 * f.cost['share']:.0f}% of the iteration")
+            lines.append(f"   fix: {f.fix}")
+            lines.append(f"   read: notebooks/{f.chapter}.ipynb")
+        return "\n".join(lines)
+
+    __str__ = format
+
+
+def _evidence_lines(f: Finding) -> list[str]:
+    ev = f.evidence
+    lines = [f"{op}: {n['this stage']:g} vs {n['clean stage']:g} in the clean stage"
+             for op, n in ev.get("ops", {}).items()]
+    if "sites" in ev:
+        return lines + [f"{_rate(s)}  {s['site']}" for s in ev["sites"][:6]]
+    if "reasons" in ev:
+        return ev["reasons"][:4]
+    if "user_code" in ev:
+        return [ev["explanation"], "while tracing " + " -> ".join(ev["user_code"])]
+    if "held_tensors" in ev:
+        return [f"tensors held by `{ev['attribute']}` at each iteration boundary: "
+                + " -> ".join(map(str, ev["held_tensors"])),
+                "live tensors: " + " -> ".join(map(str, ev["live_tensors"])),
+                "process RSS, MiB: " + " -> ".join(map(str, ev["rss_mb"]))]
+    return [f"{k}: {v}" for k, v in ev.items()]
+
+
+def _rate(s: dict) -> str:
+    parts = []
+    if s.get("per_step"):
+        parts.append(f"{s['per_step']:g} per step")
+    if s.get("per_update"):
+        parts.append(f"{s['per_update']:g} per update")
+    return ", ".join(parts) or "0"
+
+
+# ---------------------------------------------------------------------------- attribution
+
+
+def _name(part: Any) -> str:
+    return getattr(part, "__name__", None) or type(part).__name__
+
+
+def _classes(part: Any) -> list:
+    """The labkit-or-user classes (or the function) behind a component, most derived first."""
+    if inspect.isfunction(part):
+        return [part]
+    cls = part if inspect.isclass(part) else type(part)
+    return [c for c in cls.__mro__ if not c.__module__.startswith(("torch", "builtins"))
+            and c is not object]
+
+
+class _Parts:
+    """Where each component's code lives, to say which component a call site belongs to."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        s = pipe.stage
+        self.parts = {
+            "env": type(pipe.collector.env), "model": type(pipe.agent),
+            "collector": type(pipe.collector), "logger": type(pipe.logger),
+            "metrics": type(pipe.metrics), "optimizer": s.optimizer, "precision": s.precision,
+            "rollout": s.rollout, "update": s.update}
+        self.ranges: list[tuple[str, str, int, int]] = []
+        self.files: dict[str, set[str]] = defaultdict(set)
+        extra = {"model": [type(pipe.agent.value_head)]}
+        for slot, part in self.parts.items():
+            for obj in _classes(part) + extra.get(slot, []):
+                try:
+                    lines, first = inspect.getsourcelines(obj)
+                    path = _short(inspect.getsourcefile(obj))
+                except (OSError, TypeError):
+                    continue
+                self.ranges.append((slot, path, first, first + len(lines) - 1))
+                self.files[path].add(slot)
+
+    def slot_of(self, file: str, line: int, via: str | None) -> str:
+        via = via or ""
+        if "torch/optim/" in via or "clip_grad" in via:
+            return "optimizer"
+        if "torch/amp/" in via:
+            return "precision"
+        hits = [(last - first, slot) for slot, path, first, last in self.ranges
+                if path == file and first <= line <= last]
+        if hits:
+            return min(hits)[1]
+        if len(self.files.get(file, ())) == 1:
+            return next(iter(self.files[file]))
+        return _MODULE_SLOT.get(file, "user code")
+
+    def describe(self, slot: str) -> str:
+        if slot in self.parts:
+            part = self.parts[slot]
+            return f"the {slot} ({_name(part)})"
+        return "the pipeline loop" if slot == "pipeline" else "user code"
+
+    def fix(self, slot: str) -> tuple[str, str]:
+        if slot in self.parts:
+            for cls in _classes(self.parts[slot]):
+                if cls.__name__ in _COMPONENT_FIX:
+                    return _COMPONENT_FIX[cls.__name__]
+        return _SLOT_FIX[slot]
+
+
+def _parse_site(site: str) -> tuple[str, int, str, str | None]:
+    m = _SITE.match(site)
+    if not m:
+        return site, 0, "", None
+    return m["file"], int(m["line"]), m["func"], m["via"]
+
+
+def _source_line(short: str, line: int) -> str:
+    for path in (short, os.path.join(_ROOT, short), *(os.path.join(p, short) for p in sys.path)):
+        if os.path.isfile(path):
+            return linecache.getline(path, line)
+    return ""
+
+
+def _is_deliberate(site: str) -> bool:
+    file, line, _, via = _parse_site(site)
+    text = _source_line(file, line)
+    return via is None and "#" in text and "deliberate" in text.split("#", 1)[1].lower()
+
+
+def _cost(slot: str, phase_ms: dict, iteration_ms: float | None) -> dict:
+    phases = [p for p in _SLOT_PHASES.get(slot, ()) if p in phase_ms]
+    if not phases or not iteration_ms:
+        return {"phases": phases, "ms_per_iteration": None, "share": None}
+    ms = sum(phase_ms[p] for p in phases)
+    return {"phases": phases, "ms_per_iteration": round(ms, 3),
+            "share": round(min(ms / iteration_ms, 1.0), 3)}
+
+
+# ---------------------------------------------------------------------------- the meters
+
+
+class _Watch(TorchFunctionMode):
+    """Counts, by call site: tensor factories that leave the device out (or, on CUDA, make CPU
+    tensors), host-to-device copies, clones and the model's layers."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.cuda = device.type == "cuda"
+        self.counts: dict[str, Counter] = defaultdict(Counter)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = resolve_name(func) or ""
+        if name in _FACTORIES:
+            self._factory(name, args, kwargs, out)
+        elif name in _MOVES and self.cuda:
+            src = args[1] if name == "torch.Tensor.copy_" else args[0]
+            dst = args[0] if name == "torch.Tensor.copy_" else out
+            if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) \
+                    and src.device.type == "cpu" and dst.device.type == "cuda":
+                self.counts["host_to_device"][call_site(1)] += 1
+        elif name in _CLONES:
+            self.counts["clone"][call_site(1)] += 1
+        elif name in _LAYERS:
+            self.counts["layer"][call_site(1)] += 1
+        return out
+
+    def _factory(self, name: str, args: tuple, kwargs: dict, out: object) -> None:
+        caller = sys._getframe(2)
+        if caller.f_code.co_filename.startswith(_TORCH_DIR) or kwargs.get("pin_memory"):
+            return  # torch's own internals; a pinned buffer is host memory on purpose
+        if name in ("torch.tensor", "torch.as_tensor") and args \
+                and isinstance(args[0], torch.Tensor):
+            return  # keeps its input's device
+        site = call_site(2)
+        if not self.cuda:
+            if "device" not in kwargs:
+                self.counts["no_device"][site] += 1
+        elif isinstance(out, torch.Tensor):
+            if out.device.type == "cpu":
+                self.counts["cpu_tensor"][site] += 1
+            elif name in ("torch.tensor", "torch.as_tensor"):
+                self.counts["host_to_device"][site] += 1  # Python data copied to the GPU
+
+
+def _watched(pipe: Pipeline) -> tuple[dict, dict]:
+    """One iteration run eagerly under :class:`_Watch`: (rollout counts, learn counts)."""
+    with torch.compiler.set_stance("force_eager"):
+        with _Watch(pipe.device) as w_roll:
+            batch = pipe.rollout()
+        with _Watch(pipe.device) as w_learn:
+            pipe.learn(batch)
+    synchronize(pipe.device)
+    return w_roll.counts, w_learn.counts
+
+
+def _op_counts(prof: Any) -> Counter:
+    """Calls per op, like ``labkit.profiling.op_counts`` but read from the raw events
+    (``key_averages`` builds a tree of every event first: seconds for a whole iteration). An
+    op nested in a same-named event (its dispatch to an overload) is one call, not two."""
+    spans: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
+    for e in prof.profiler.kineto_results.events():
+        name = e.name()
+        if name.startswith("aten::"):
+            spans[(name, e.start_thread_id())].append((e.start_ns(), e.end_ns()))
+    counts: Counter = Counter()
+    for (name, _), found in spans.items():
+        end = -1
+        for start, stop in sorted(found):
+            if start >= end:
+                counts[name] += 1
+            end = max(end, stop)
+    return counts
+
+
+def _metered(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter, Counter, Counter]:
+    """One iteration under the sync meter (with call sites) and the profiler."""
+    box: list = []
+    with SyncMeter(call_sites=True) as m_roll:
+        p_roll = profile_calls(lambda: box.append(pipe.rollout()), pipe.device)
+    with SyncMeter(call_sites=True) as m_learn:
+        p_learn = profile_calls(lambda: pipe.learn(box.pop()), pipe.device)
+    return m_roll, m_learn, _op_counts(p_roll), _op_counts(p_learn)
+
+
+_CONTAINERS = (list, tuple, dict, deque, set)
+
+
+def _held(obj: Any, depth: int = 3, seen: set | None = None) -> tuple[int, int]:
+    """(tensors, bytes) reachable from ``obj`` through containers and labkit objects."""
+    seen = seen if seen is not None else set()
+    if id(obj) in seen or depth < 0:
+        return 0, 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return 1, obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, _CONTAINERS):
+        items = list(obj)
+    elif type(obj).__module__.startswith("labkit") and hasattr(obj, "__dict__"):
+        items = list(vars(obj).values())
+    else:
+        return 0, 0
+    n = b = 0
+    for item in items:
+        dn, db = _held(item, depth - 1, seen)
+        n, b = n + dn, b + db
+    return n, b
+
+
+def _memory(pipe: Pipeline) -> dict:
+    """Memory at an iteration boundary: live tensors, those each component attribute holds,
+    RSS, CUDA allocated."""
+    flush = getattr(pipe.logger, "flush", None)
+    if flush:
+        flush()
+    live = sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+    parts = {"env": pipe.collector.env, "collector": pipe.collector, "metrics": pipe.metrics,
+             "logger": pipe.logger, "model": pipe.agent}
+    skip = {id(p) for p in parts.values()} | {id(pipe.collector.clock)}
+    held = {}
+    for slot, obj in parts.items():
+        for attr, value in vars(obj).items():
+            if id(value) in skip or attr.startswith("_modules"):
+                continue
+            held[f"{slot}.{attr}"] = _held(value, seen=set(skip))
+    snap = {"live_tensors": live, "held": held, "rss_mb": _rss_mb()}
+    if pipe.device.type == "cuda":
+        snap["cuda_mb"] = torch.cuda.memory_allocated(pipe.device) / 2**20
+    return snap
+
+
+def _rss_mb() -> float | None:
+    try:
+        import psutil
+    except ImportError:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        except OSError:
+            return None
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _dynamo_state() -> tuple[int, Counter, dict]:
+    from torch._dynamo.utils import counters, guard_failures
+    return (counters["stats"]["unique_graphs"], Counter(counters["graph_break"]),
+            {code: len(reasons) for code, reasons in guard_failures.items()})
+
+
+def _dynamo_reasons(before: dict, parts: _Parts) -> tuple[list[str], str]:
+    """Dynamo's reasons for the recompiles since ``before``, and the slot of the first
+    recompiled function."""
+    from torch._dynamo.utils import guard_failures
+    out, slot = [], None
+    for code, reasons in guard_failures.items():
+        for reason in reasons[before.get(code, 0):]:
+            file = _short(code.co_filename)
+            slot = slot or parts.slot_of(file, code.co_firstlineno, None)
+            out.append(f"{code.co_name} ({file}:{code.co_firstlineno}) recompiled: "
+                       + reason.split("\n", 1)[0])
+    return out, slot or "update"
+
+
+# ---------------------------------------------------------------------------- the findings
+
+
+def _group_sites(sites_roll: Counter, sites_learn: Counter, n_steps: int, parts: _Parts,
+                 accept: Callable[[str, int], bool] = lambda site, n: False
+                 ) -> tuple[dict, dict]:
+    """{slot: [site rows]} for the sites not accepted, and {site: count} accepted."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    accepted = {}
+    for site in sorted(set(sites_roll) | set(sites_learn)):
+        r, u = sites_roll.get(site, 0), sites_learn.get(site, 0)
+        if accept(site, r + u):
+            accepted[site] = r + u
+            continue
+        file, line, _, via = _parse_site(site)
+        groups[parts.slot_of(file, line, via)].append(
+            {"site": site, "per_step": round(r / n_steps, 3), "per_update": u})
+    for rows in groups.values():
+        rows.sort(key=lambda s: -(s["per_step"] * n_steps + s["per_update"]))
+    return groups, accepted
+
+
+def _host_read_findings(m_roll: SyncMeter, m_learn: SyncMeter, n_steps: int, n_envs: int,
+                        parts: _Parts, phase_ms: dict, it_ms: float | None
+                        ) -> tuple[list[Finding], dict]:
+    groups, accepted = _group_sites(
+        m_roll.sites, m_learn.sites, n_steps, parts,
+        accept=lambda site, n: n <= 1 and _is_deliberate(site))
+    findings = []
+    for slot, rows in groups.items():
+        per_step = round(sum(r["per_step"] for r in rows), 3)
+        per_update = sum(r["per_update"] for r in rows)
+        chapter, fix = parts.fix(slot)
+        if any(re.search(r"\bis(nan|inf|finite)\b", _source_line(*_parse_site(r["site"])[:2]))
+               for r in rows):
+            chapter, fix = _FINITE_CHECK
+        what = []
+        if per_step:
+            what.append(f"{per_step:g} host read{'s' if per_step != 1 else ''} per rollout "
+                        "step" + (" (a per-element loop: N or more)" if per_step >= n_envs
+                                  else ""))
+        if per_update:
+            what.append(f"{per_update} per update" if per_step else
+                        f"{per_update} host read{'s' if per_update != 1 else ''} per update")
+        findings.append(Finding(
+            "host_read", parts.describe(slot), ", ".join(what),
+            {"per_step": per_step, "per_update": per_update, "sites": rows},
+            _cost(slot, phase_ms, it_ms), chapter, fix))
+    summary = {"per_step": round(m_roll.host_reads / n_steps, 3),
+               "per_update": m_learn.host_reads,
+               "by_kind": dict(m_roll.counts + m_learn.counts), "accepted": accepted}
+    return findings, summary
+
+
+def _allocation_findings(w_roll: dict, w_learn: dict, n_steps: int, parts: _Parts,
+                         phase_ms: dict, it_ms: float | None) -> list[Finding]:
+    labels = {"no_device": "tensor factory without device=",
+              "cpu_tensor": "CPU tensor made on a CUDA run",
+              "host_to_device": "host-to-device copy"}
+    by_slot: dict[str, list[dict]] = defaultdict(list)
+    for key, label in labels.items():
+        groups, _ = _group_sites(w_roll.get(key, Counter()), w_learn.get(key, Counter()),
+                                 n_steps, parts)
+        for slot, rows in groups.items():
+            by_slot[slot] += [{**row, "what": label} for row in rows]
+    findings = []
+    for slot, rows in by_slot.items():
+        per_step = round(sum(r["per_step"] for r in rows), 3)
+        per_update = sum(r["per_update"] for r in rows)
+        kinds = sorted({r["what"] for r in rows})
+        rate = ", ".join(x for x in (f"{per_step:g} per step" if per_step else "",
+                                     f"{per_update} per update" if per_update else "") if x)
+        findings.append(Finding(
+            "cpu_allocation", parts.describe(slot), f"{' and '.join(kinds)}: {rate}",
+            {"per_step": per_step, "per_update": per_update, "sites": rows},
+            _cost(slot, phase_ms, it_ms), *_CPU_ALLOC_FIX))
+    return findings
+
+
+def _memory_findings(snaps: list[dict], parts: _Parts, phase_ms: dict, it_ms: float | None
+                     ) -> list[Finding]:
+    if len(snaps) < 3:
+        return []
+    findings = []
+    attributed = False
+    for key in snaps[0]["held"]:
+        counts = [s["held"].get(key, (0, 0))[0] for s in snaps]
+        sizes = [s["held"].get(key, (0, 0))[1] for s in snaps]
+        deltas = [b - a for a, b in zip(counts, counts[1:])]
+        if min(deltas) <= 0:
+            continue
+        attributed = True
+        slot, attr = key.split(".", 1)
+        chapter, fix = parts.fix(slot)
+        per_it = statistics.median(deltas)
+        bytes_it = statistics.median(b - a for a, b in zip(sizes, sizes[1:]))
+        findings.append(Finding(
+            "memory_growth", parts.describe(slot),
+            f"`{attr}` holds {per_it:g} more tensors ({bytes_it / 1024:.1f} KiB) after every "
+            "iteration, without bound",
+            {"attribute": attr, "tensors_per_iteration": per_it,
+             "bytes_per_iteration": bytes_it, "held_tensors": counts,
+             "live_tensors": [s["live_tensors"] for s in snaps],
+             "rss_mb": [round(s["rss_mb"], 1) for s in snaps if s["rss_mb"] is not None]},
+            _cost(slot, phase_ms, it_ms), chapter,
+            fix + "; keep a bounded window (a fixed-size buffer, deque(maxlen=...)) or "
+                  "aggregates, never every step"))
+    live = [s["live_tensors"] for s in snaps]
+    deltas = [b - a for a, b in zip(live, live[1:])]
+    if not attributed and min(deltas) > 0:
+        findings.append(Finding(
+            "memory_growth", "an unknown owner",
+            f"{statistics.median(deltas):g} more live tensors after every iteration",
+            {"live_tensors": live,
+             "rss_mb": [round(s["rss_mb"], 1) for s in snaps if s["rss_mb"] is not None]},
+            {"phases": [], "ms_per_iteration": None, "share": None}, "00_measure_first",
+            "find who keeps them: gc.get_referrers on a new tensor; bound every buffer"))
+    return findings
+
+
+def _excess_findings(ops: tuple[Counter, Counter], base: tuple[Counter, Counter],
+                     watch: tuple[dict, dict], cfg: RunConfig, parts: _Parts,
+                     phase_ms: dict, it_ms: float | None) -> list[Finding]:
+    n_steps = cfg.n_steps
+    n_mb = cfg.ppo.update_epochs * cfg.ppo.n_minibatches
+    findings = []
+    for names, label, watch_key in ((_COPY_OPS, "clones", "clone"),
+                                    (_MODEL_OPS, "model work (convolutions, matmuls)", "layer")):
+        excess = {}
+        for where, mine, clean, unit, per in (("rollout", ops[0], base[0], "per step", n_steps),
+                                              ("update", ops[1], base[1], "per minibatch", n_mb)):
+            for op in names:
+                a, b = mine.get(op, 0), clean.get(op, 0)
+                if (a - b) / per >= 1 and a >= 1.2 * b:
+                    excess[f"{op} {unit} ({where})"] = {"this stage": round(a / per, 2),
+                                                        "clean stage": round(b / per, 2)}
+        if not excess:
+            continue
+        groups, _ = _group_sites(watch[0].get(watch_key, Counter()),
+                                 watch[1].get(watch_key, Counter()), n_steps, parts)
+        rows = sorted((r for rs in groups.values() for r in rs),
+                      key=lambda r: -(r["per_step"] * n_steps + r["per_update"]))
+        slot = next((s for s, rs in groups.items() if rows and rows[0] in rs), "user code")
+        if watch_key == "clone":
+            chapter, fix = parts.fix(slot)[0], _COPIES_FIX
+        else:
+            chapter, fix = _MODEL_WORK_FIX
+        first = next(iter(excess.items()))
+        findings.append(Finding(
+            "excess_ops", parts.describe(slot),
+            f"more {label} than the clean stage: {first[0]} {first[1]['this stage']:g} "
+            f"vs {first[1]['clean stage']:g}",
+            {"ops": excess, "sites": rows[:6]}, _cost(slot, phase_ms, it_ms), chapter, fix))
+    return findings
+
+
+_BASELINES: dict[tuple, tuple[Counter, Counter]] = {}
+
+
+def _clean_twin(stage: Stage) -> Stage:
+    """The clean ladder stage a variant is judged against: the one with its index."""
+    return STAGES[stage.index]
+
+
+def _baseline_ops(stage: Stage, cfg: RunConfig, device: torch.device) -> tuple[Counter, Counter]:
+    """Op counts of one rollout and one learn of the clean ladder stage ``stage.index`` at the
+    same sizes (cached per process)."""
+    twin = _clean_twin(stage)
+    key = (twin.name, str(device), repr(cfg.to_dict()))
+    if key not in _BASELINES:
+        with Pipeline(twin, cfg, device) as clean:
+            warmup(clean)
+            _, _, roll, learn = _metered(clean)
+        _BASELINES[key] = (roll, learn)
+    return _BASELINES[key]
+
+
+def _compile_error_finding(err: Exception, parts: _Parts, phase: str) -> Finding:
+    """A compiled step that raised while dynamo traced it (``fullgraph=True`` makes a graph
+    break, or hitting the recompile limit, an error): the finding, with dynamo's reason and
+    the user code it was tracing."""
+    text = str(err)
+    stack = text.split("from user code:", 1)[-1]
+    frames = [f"{_short(m['file'])}:{m['line']} ({m['func']})"
+              for m in _USER_FRAME.finditer(stack) if not m["file"].startswith(_TORCH_DIR)]
+    slot = "update"
+    if frames:
+        file, line, _, _ = _parse_site(frames[-1])
+        slot = parts.slot_of(file, line, None)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    first = lines[0] if lines else type(err).__name__
+    explanation = next((ln.split(":", 1)[1].strip() for ln in lines
+                        if ln.startswith("Explanation:")), "")
+    kind = "recompile" if "recompile" in type(err).__name__.lower() else "graph_break"
+    return Finding(
+        kind, parts.describe(slot), f"the compiled code raised in {phase}: {first}",
+        {"error": type(err).__name__, "message": first, "explanation": explanation,
+         "user_code": frames},
+        {"phases": [], "ms_per_iteration": None, "share": None}, *_COMPILE_FIX)
+
+
+# ---------------------------------------------------------------------------- diagnose
+
+
+def diagnose(target: Pipeline | Stage | int | str, iterations: int = 2,
+             cfg: RunConfig | None = None, device: torch.device | str = "auto",
+             baseline: bool = True) -> Report:
+    """Diagnose a pipeline, or a stage (built at ``cfg``, default N=16, T=16, on ``device``).
+
+    A pipeline is left in the state it had (its ``state_dict`` is restored). ``baseline``:
+    compare op counts with the clean ladder stage of the same index (built once per process
+    and size); without it there are no ``excess_ops`` findings."""
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 2:
+        raise ValueError(f"iterations must be an int >= 2, got {iterations!r}")
+    if isinstance(target, Pipeline):
+        pipe, owned = target, False
+        stage, cfg, device = pipe.stage, pipe.cfg, pipe.device
+    else:
+        stage = get_stage(target)
+        device = resolve_device(device)
+        cfg = cfg if cfg is not None else RunConfig(**DOCTOR_RUN)
+        owned = True
+    report = Report(stage.name, str(device), cfg.n_envs, cfg.n_steps, iterations)
+    if owned:
+        reason = stage.skip_reason(device)
+        if reason:
+            report.status = f"skipped: {reason}"
+            return report
+        pipe = Pipeline(stage, cfg, device)
+    saved = None if owned else pipe.state_dict()
+    try:
+        _diagnose(pipe, report, iterations, baseline)
+    finally:
+        if owned:
+            pipe.close()
+        else:
+            pipe.load_state_dict(saved)
+    return report
+
+
+def _diagnose(pipe: Pipeline, report: Report, iterations: int, baseline: bool) -> None:
+    from torch._dynamo.exc import TorchDynamoException
+
+    parts = _Parts(pipe)
+    cfg, device, n_steps = pipe.cfg, pipe.device, pipe.cfg.n_steps
+    times, phases, snaps = [], [], []
+    step = "the warmup"
+    try:
+        warmup(pipe)
+        graphs0, breaks0, reasons0 = _dynamo_state()
+        snaps.append(_memory(pipe))
+        step = "the timed iterations"
+        for _ in range(iterations):
+            seconds, ms, _ = _timed_iteration(pipe, marked=True)
+            times.append(seconds)
+            phases.append(ms)
+            snaps.append(_memory(pipe))
+        step = "the metered iteration"
+        m_roll, m_learn, ops_roll, ops_learn = _metered(pipe)
+        snaps.append(_memory(pipe))
+        graphs1, breaks1, _ = _dynamo_state()
+        watch = _watched(pipe)
+        snaps.append(_memory(pipe))
+    except TorchDynamoException as err:
+        report.findings.append(_compile_error_finding(err, parts, step))
+        report.notes.append(f"stopped in {step}: the stage's compiled code raised, so the "
+                            "rest could not be measured")
+        return
+
+    it_ms = 1e3 * statistics.median(times)
+    phase_ms = {k: round(statistics.median(p.get(k, 0.0) for p in phases), 3)
+                for k in {k for p in phases for k in p}}
+    report.iteration_s = it_ms / 1e3
+    report.phase_ms = phase_ms
+    report.memory = {"live_tensors": [s["live_tensors"] for s in snaps],
+                     "rss_mb": [round(s["rss_mb"], 1) for s in snaps if s["rss_mb"]]}
+    if device.type == "cuda":
+        report.memory["cuda_mb"] = [round(s["cuda_mb"], 2) for s in snaps]
+
+    findings, report.host_reads = _host_read_findings(
+        m_roll, m_learn, n_steps, cfg.n_envs, parts, phase_ms, it_ms)
+    findings += _allocation_findings(*watch, n_steps, parts, phase_ms, it_ms)
+    findings += _memory_findings(snaps, parts, phase_ms, it_ms)
+    twin = _clean_twin(pipe.stage)
+    if baseline:
+        base = (ops_roll, ops_learn) if pipe.stage == twin else \
+            _baseline_ops(pipe.stage, cfg, device)
+        findings += _excess_findings((ops_roll, ops_learn), base, watch, cfg, parts,
+                                     phase_ms, it_ms)
+    new_graphs = graphs1 - graphs0
+    if new_graphs:
+        reasons, slot = _dynamo_reasons(reasons0, parts)
+        findings.append(Finding(
+            "recompile", parts.describe(slot),
+            f"{new_graphs} graph{'s' if new_graphs > 1 else ''} compiled after warmup, in "
+            f"{iterations + 1} iterations",
+            {"graphs_after_warmup": new_graphs, "reasons": reasons},
+            _cost(slot, phase_ms, it_ms), *_COMPILE_FIX))
+    breaks = breaks1 - breaks0
+    if breaks:
+        findings.append(Finding(
+            "graph_break", "the compiled code", f"{sum(breaks.values())} graph breaks after warmup",
+            {"reasons": [f"{n} x {r}" for r, n in breaks.most_common()]},
+            _cost("model", phase_ms, it_ms), *_COMPILE_FIX))
+    clean_precision = twin.precision(device)
+    if pipe.precision == "fp32" and clean_precision != "fp32":
+        findings.append(Finding(
+            "precision", parts.describe("precision"),
+            f"the update runs in fp32; on this device the clean stage runs {clean_precision}",
+            {"precision": pipe.precision, "clean_stage_precision": clean_precision,
+             "device": str(device)},
+            _cost("precision", phase_ms, it_ms), *_SLOT_FIX["precision"]))
+    def order(f: Finding) -> tuple[int, float]:
+        ev = f.evidence
+        return KINDS.index(f.kind), -(ev.get("per_step", 0) * n_steps + ev.get("per_update", 0))
+
+    report.findings = sorted(findings, key=order)
+
+
+# ---------------------------------------------------------------------------- the CLI
+
+
+def _int_option(name: str, text: str | None, low: int) -> int | None:
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise ValueError(f"--{name} must be an integer >= {low}, got {text!r}")
+    return value
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Run ``diagnose`` for the CLI; 0 without findings, 1 with findings."""
+    from .plants import plant
+
+    stage = get_stage(args.stage)
+    if args.plant:
+        stage = plant(stage, args.plant)
+    sizes = {k: v for k, v in (("n_envs", _int_option("n-envs", args.n_envs, 1)),
+                               ("n_steps", _int_option("n-steps", args.n_steps, 1))) if v}
+    iterations = _int_option("iterations", args.iterations, 2) or 2
+    cfg = RunConfig(**{**DOCTOR_RUN, **sizes})
+    report = diagnose(stage, iterations=iterations, cfg=cfg, device=args.device)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(report.format())
+    return 1 if report.findings else 0
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``doctor`` on an ``argparse`` subparsers object (``labkit.cli``)."""
+    from .plants import PLANT_NAMES
+
+    p = subparsers.add_parser(
+        "doctor", help="run a few iterations under the meters and report regressions",
+        description="Run a stage for a few iterations under the sync meter, the profiler, a "
+                    "memory tracker and dynamo's counters; print what regressed and the "
+                    "chapter with the fix. Exit 0 without findings, 1 with, 2 on a usage error.")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--stage", default="fused_amp", help="0-8 or a name (default: fused_amp)")
+    p.add_argument("--plant", default=None,
+                   help=f"plant a regression: {', '.join(PLANT_NAMES)}")
+    p.add_argument("--n-envs", default=None, help=f"N (default: {DOCTOR_RUN['n_envs']})")
+    p.add_argument("--n-steps", default=None, help=f"T (default: {DOCTOR_RUN['n_steps']})")
+    p.add_argument("--iterations", default=None, help="timed iterations, >= 2 (default: 2)")
+    p.add_argument("--json", action="store_true", help='print {"findings": [...], ...}')
+    p.set_defaults(func=cmd_doctor)
+    return p
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise _UsageError(message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m labkit doctor ...`` without the word ``doctor``: for tests and scripts."""
+    parser = _Parser(prog="python -m labkit")
+    sub = parser.add_subparsers(dest="command")
+    add_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(["doctor", *argv])
+        return args.func(args)
+    except (_UsageError, ValueError, TypeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

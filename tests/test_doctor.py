@@ -1,0 +1,272 @@
+"""labkit doctor: every planted regression is found, with its evidence and chapter; the clean
+final stage yields nothing; stage 0 yields its host reads; the CLI's exit codes and JSON."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from labkit import plants
+from labkit.config import RunConfig
+from labkit.doctor import KINDS, Finding, diagnose, main
+from labkit.executors import Eager
+from labkit.metrics import DeviceEpisodeStats
+from labkit.plants import PLANTS, plant
+from labkit.policy import Agent, ValueHead
+from labkit.stages import Pipeline, get_stage
+
+CPU = torch.device("cpu")
+RUN = RunConfig(n_envs=8, n_steps=8)
+
+#: The chapter whose notebook teaches each plant's fix.
+CHAPTERS = {
+    "item_in_logging": "05_log_off_the_hot_path",
+    "unfused_adam": "08_fused_optimizers_and_amp",
+    "nan_checks": "10_the_regression_hunt",
+    "per_item_loop": "07_metrics_on_the_device",
+    "cpu_tensor": "03_tensors_on_the_device",
+    "unbounded_buffer": "07_metrics_on_the_device",
+    "clone_overuse": "04_batch_everything",
+    "duplicate_forward": "00_measure_first",
+    "branchy_value_head": "06_compile_and_warm_up",
+    "amp_off": "08_fused_optimizers_and_amp",
+}
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return {name: diagnose(plant("fused_amp", name), cfg=RUN, device=CPU) for name in PLANTS}
+
+
+@pytest.fixture(scope="module")
+def clean():
+    return diagnose("fused_amp", cfg=RUN, device=CPU)
+
+
+def _lines(name: str) -> set[str]:
+    """``labkit/plants.py:N`` of the lines that carry a plant's bug."""
+    return {site for site, _ in PLANTS[name].lines()}
+
+
+def _where(site: str) -> str:
+    return site.split(" ")[0]
+
+
+def _findings(report, kind) -> list[Finding]:
+    return [f for f in report.findings if f.kind == kind]
+
+
+def test_the_plants_are_the_ten_regressions_of_the_reports():
+    assert set(PLANTS) == set(CHAPTERS)
+    for p in PLANTS.values():
+        assert p.finds in KINDS
+        assert p.report and "report" in p.story, p.name  # documented with the real-world bug
+        assert p.slot in get_stage(7).components()
+
+
+@pytest.mark.parametrize("name", [n for n in PLANTS if n != "amp_off"])
+def test_each_plant_is_found_with_its_kind_and_chapter(reports, name):
+    report = reports[name]
+    assert report.status == "ok"
+    found = _findings(report, PLANTS[name].finds)
+    assert found, report.format()
+    assert found[0].chapter == CHAPTERS[name]
+    part = PLANTS[name].part
+    part_name = getattr(part, "__name__", None) or type(part).__name__
+    # the doctor points at the planted component, and at nothing else
+    for f in report.findings:
+        assert part_name in f.where, (name, f.where)
+
+
+@pytest.mark.parametrize("name", ["item_in_logging", "nan_checks", "per_item_loop"])
+def test_host_reads_are_found_at_the_planted_line(reports, name):
+    (f,) = _findings(reports[name], "host_read")
+    sites = {_where(s["site"]) for s in f.evidence["sites"]}
+    assert sites and sites <= _lines(name), (sites, _lines(name))
+
+
+def test_host_read_counts_match_the_plants(reports):
+    logging = _findings(reports["item_in_logging"], "host_read")[0].evidence
+    assert logging["per_step"] == 1  # the step's mean reward
+    assert logging["per_update"] == 6  # the update's six statistics
+    nan = _findings(reports["nan_checks"], "host_read")[0].evidence
+    assert nan["per_step"] == 4  # observations, logprobs, values, rewards
+    loop = _findings(reports["per_item_loop"], "host_read")[0].evidence
+    assert loop["per_step"] >= RUN.n_envs  # one per env, more per finished episode
+    adam = _findings(reports["unfused_adam"], "host_read")[0].evidence
+    n_params = len(list(Agent().parameters()))
+    assert adam["per_update"] == n_params * 16  # a step counter per parameter per minibatch
+    assert all("via torch/optim/" in s["site"] for s in adam["sites"])
+
+
+def test_cpu_tensor_is_found_at_its_factory(reports):
+    (f,) = _findings(reports["cpu_tensor"], "cpu_allocation")
+    assert [_where(s["site"]) for s in f.evidence["sites"]] == sorted(_lines("cpu_tensor"))
+    assert f.evidence["per_step"] == 1
+
+
+def test_unbounded_buffer_grows_by_one_tensor_per_step(reports):
+    (f,) = _findings(reports["unbounded_buffer"], "memory_growth")
+    assert f.evidence["attribute"] == "history"
+    assert f.evidence["tensors_per_iteration"] == RUN.n_steps
+    assert f.evidence["bytes_per_iteration"] == RUN.n_steps * 2 * RUN.n_envs * 4
+
+
+def test_excess_ops_against_the_clean_stage(reports):
+    (clones,) = _findings(reports["clone_overuse"], "excess_ops")
+    assert clones.evidence["ops"]["aten::clone per step (rollout)"] == \
+        {"this stage": 7, "clean stage": 0}
+    assert {_where(s["site"]) for s in clones.evidence["sites"]} == _lines("clone_overuse")
+    (twice,) = _findings(reports["duplicate_forward"], "excess_ops")
+    conv = twice.evidence["ops"]["aten::convolution per step (rollout)"]
+    assert round(conv["this stage"] - conv["clean stage"], 2) == 2  # the body's convs again
+
+
+def test_branchy_value_head_breaks_the_compiled_loss(reports):
+    report = reports["branchy_value_head"]
+    (f,) = report.findings
+    assert f.kind == "graph_break"
+    assert _where(f.evidence["user_code"][-1]) in _lines("branchy_value_head")
+    assert "branch" in f.evidence["message"].lower()
+
+
+def test_amp_off_needs_cuda(reports):
+    report = reports["amp_off"]
+    if torch.cuda.is_available():
+        assert "precision" in report.kinds
+    else:
+        assert report.status == "skipped: needs CUDA" and report.findings == []
+
+
+def test_the_clean_final_stage_has_no_findings(clean):
+    assert clean.status == "ok"
+    assert clean.findings == [], clean.format()
+    # its one read per update is the device metrics' documented .tolist()
+    ((site, n),) = clean.host_reads["accepted"].items()
+    assert site.startswith("labkit/metrics.py:") and "(summary)" in site and n == 1
+    assert clean.host_reads["per_step"] == 0 and clean.host_reads["per_update"] == 1
+    assert set(clean.phase_ms) >= {"policy", "env", "update"} and clean.iteration_s > 0
+
+
+@pytest.mark.parametrize("n_envs", [4, 16])
+def test_the_clean_final_stage_has_no_findings_at_other_sizes(n_envs):
+    report = diagnose("fused_amp", cfg=RunConfig(n_envs=n_envs, n_steps=8), device=CPU)
+    assert report.findings == [], report.format()
+
+
+def test_stage_0_yields_its_host_reads():
+    n = 4
+    report = diagnose("python_loop", cfg=RunConfig(n_envs=n, n_steps=8), device=CPU)
+    assert report.kinds == ["host_read"]
+    by_part = {f.where: f for f in report.findings}
+    per_env = by_part["the collector (PerEnvCollector)"]
+    assert per_env.evidence["per_step"] == n  # one .item() per env per step
+    assert per_env.evidence["sites"][0]["site"].startswith("labkit/rollout.py:")
+    assert per_env.chapter == "02_vectorize_with_numpy"
+    assert by_part["the logger (SyncLogger)"].chapter == "05_log_off_the_hot_path"
+    assert by_part["the metrics (EagerEpisodeStats)"].chapter == "07_metrics_on_the_device"
+    assert by_part["the optimizer (Adam)"].chapter == "08_fused_optimizers_and_amp"
+
+
+def test_a_diagnosed_pipeline_is_left_as_it_was():
+    with Pipeline(plant("fused_amp", "item_in_logging"), RUN, CPU) as p:
+        before = [t.clone() for t in p.agent.state_dict().values()]
+        step = p.global_step
+        report = diagnose(p)
+        assert "host_read" in report.kinds
+        assert p.global_step == step
+        for a, b in zip(before, p.agent.state_dict().values()):
+            assert torch.equal(a, b)
+
+
+class _CountingHead(ValueHead):
+    """A value head with a Python counter that the rollout's compiled policy branches on."""
+
+    updates = 0
+
+    def update_stats(self, returns):
+        self.updates += 1
+
+
+class _RecompilingAgent(Agent):
+    def __init__(self, view=7, value_head="plain"):
+        super().__init__(view, value_head)
+        head = _CountingHead()
+        head.linear.load_state_dict(self.value_head.linear.state_dict())
+        self.value_head = head
+
+    def forward(self, obs):
+        logits, value = super().forward(obs)
+        if not torch.is_grad_enabled() and self.value_head.updates > 1:  # the rollout only
+            value = value + 0.0
+        return logits, value
+
+
+def test_recompiles_after_warmup_are_found():
+    # The update runs eagerly, so only this test's own policy code gathers compiled versions.
+    stage = dataclasses.replace(get_stage("fused_amp"), name="recompiling",
+                                model=_RecompilingAgent, update=Eager())
+    report = diagnose(stage, cfg=RUN, device=CPU, baseline=False)
+    (f,) = _findings(report, "recompile")
+    assert f.evidence["graphs_after_warmup"] >= 2
+    assert any("updates" in r for r in f.evidence["reasons"])
+    assert f.chapter == "06_compile_and_warm_up"
+
+
+def test_plant_refuses_a_slot_it_is_not_a_variant_of():
+    with pytest.raises(ValueError, match="plant must be one of"):
+        plant("fused_amp", "warp_drive")
+    with pytest.raises(ValueError, match="variant of DeviceEpisodeStats"):
+        plant("batched_ops", "per_item_loop")
+    planted = plant(7, "per_item_loop")
+    assert planted.metrics is plants.ItemLoopEpisodeStats
+    assert issubclass(planted.metrics, DeviceEpisodeStats)
+    assert get_stage(7).metrics is DeviceEpisodeStats  # the clean stage is untouched
+
+
+# ---------------------------------------------------------------- the CLI
+
+SMALL = ["--device", "cpu", "--n-envs", "8", "--n-steps", "8"]
+
+
+def test_cli_json_and_exit_codes(capsys):
+    assert main([*SMALL, "--stage", "7", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["findings"] == [] and out["status"] == "ok" and out["stage"] == "fused_amp"
+
+    assert main([*SMALL, "--plant", "item_in_logging", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    (finding,) = out["findings"]
+    assert set(finding) == {"kind", "where", "summary", "evidence", "cost", "chapter", "fix"}
+    assert finding["kind"] == "host_read"
+    assert finding["chapter"] == "05_log_off_the_hot_path"
+    assert finding["cost"]["phases"] == ["io"]
+
+
+def test_cli_text_output(capsys):
+    assert main([*SMALL, "--plant", "unbounded_buffer"]) == 1
+    text = capsys.readouterr().out
+    assert "[memory_growth] the metrics (HistoryEpisodeStats)" in text
+    assert "notebooks/07_metrics_on_the_device.ipynb" in text
+
+
+def test_cli_skipped_plant_exits_0(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("amp_off runs on CUDA")
+    assert main([*SMALL, "--plant", "amp_off"]) == 0
+    assert "skipped: needs CUDA" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--plant", "warp_drive"], "plant must be one of"),
+    (["--stage", "99"], "stage must be one of"),
+    (["--iterations", "1"], "--iterations must be an integer >= 2"),
+    (["--n-envs", "many"], "--n-envs must be an integer >= 1"),
+    (["--device", "tpu"], "device must be one of"),
+    (["--stage", "3", "--plant", "cpu_tensor"], "variant of DeviceEpisodeStats"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_cli_usage_errors_exit_2_with_one_line(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and err.count("\n") == 1
