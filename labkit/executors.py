@@ -55,8 +55,9 @@ class Compiled(Eager):
 class Graphed:
     """Capture the whole step as a CUDA graph and replay it: one launch for hundreds of small
     kernels. ``base`` runs the model math inside the graph (``Graphed(Compiled())`` replays
-    compiled kernels). The update's graph needs bf16: with fp16, AMP's GradScaler reads the
-    host to skip steps with infinite gradients, which a graph cannot capture."""
+    compiled kernels). The ladder's graphed update asks for bf16: it is built and tested for
+    bf16 autocast, while fp16 brings a GradScaler whose step skipping would have to be captured
+    as well (with an unfused optimizer it even reads the host)."""
 
     base: Eager = Eager()
     requires: tuple[str, ...] = ("cuda",)

@@ -76,3 +76,124 @@ def reads_table(sites: Counter | dict, per: int = 1, top: int = 10) -> str:
     lines = [f"{unit:>12}  call site"]
     lines += [f"{count / per:>12g}  {site}" for site, count in rows]
     return "\n".join(lines)
+
+
+def group_sites(sites: Counter | dict, lines: bool = False) -> Counter:
+    """Host reads by call site, named alike on every machine and run: a notebook cell's file
+    (``/tmp/ipykernel_123/456.py``) becomes ``<cell>``, the ``via`` torch frame is dropped and,
+    unless ``lines``, so is the line number (``labkit/rollout.py (step)``), so a count that a
+    test compares survives edits elsewhere in the file."""
+    import re
+
+    out: Counter = Counter()
+    for site, count in sites.items():
+        where = site.split(" via ", 1)[0]
+        match = re.fullmatch(r"(.*):(\d+) \((.*)\)", where)
+        if match is None:
+            out[where] += count
+            continue
+        path, line, func = match.groups()
+        if re.search(r"ipykernel_\d+[/\\]\d+\.py$|<ipython-input-", path):
+            path = "<cell>"
+        out[f"{path}:{line} ({func})" if lines else f"{path} ({func})"] += count
+    return out
+
+
+def rows_table(rows: list[dict]) -> str:
+    """Rows of ``labkit.bench.measure_stage`` one per line: env steps/s as min / median / max
+    over the timed iterations, the share of the compute ceiling, host reads per rollout step
+    and per update, then milliseconds per iteration in each phase."""
+    from .timing import PHASES
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    keys = [k for k in PHASES if any(k in r["phase_ms"] for r in ok)]
+    head = (f"{'stage':<16}{'N':>6}{'T':>5}{'sps min':>10}{'median':>10}{'max':>10}"
+            f"{'% ceil':>8}{'reads/step':>11}{'reads/upd':>10}")
+    lines = [head]
+    for r in rows:
+        name = f"{r['stage']} {r['name']}"
+        if r.get("status") != "ok":
+            lines.append(f"{name:<16}{r['n_envs']:>6}{r['n_steps']:>5}  {r['status']}")
+            continue
+        samples = r["n_envs"] * r["n_steps"]
+        fast, mid, slow = r["iteration_s_spread"]
+        lines.append(f"{name:<16}{r['n_envs']:>6}{r['n_steps']:>5}{samples / slow:>10,.0f}"
+                     f"{samples / mid:>10,.0f}{samples / fast:>10,.0f}"
+                     f"{100 * r['frac_of_ceiling']:>7.1f}%"
+                     f"{r['host_reads_rollout_per_step']:>11g}{r['host_reads_update']:>10}")
+    lines += ["", f"{'ms per iteration':<16}" + "".join(f"{k:>9}" for k in keys)]
+    for r in ok:
+        lines.append(f"{r['stage']} {r['name']:<14}"
+                     + "".join(f"{r['phase_ms'].get(k, 0.0):>9.1f}" for k in keys))
+    return "\n".join(lines)
+
+
+def recorded_gpu(names: list[str], results: str = "results") -> str:
+    """What the recorded GPU ladders in ``results`` (``*.json`` written by ``python -m labkit
+    ladder`` on CUDA) say about the stages ``names``, each with its device name; or "No GPU run
+    recorded yet" when there is none. A chapter prints this instead of quoting numbers."""
+    import json
+    from pathlib import Path
+
+    lines = []
+    for path in sorted(Path(results).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        meta = data.get("meta", {}) if isinstance(data, dict) else {}
+        if meta.get("device") != "cuda" or "ladder" not in data:
+            continue
+        lines.append(f"{path.name}: {meta.get('device_name', '?')}, torch {meta.get('torch')}, "
+                     f"commit {meta.get('git_commit')}, {meta.get('date')}")
+        for row in data["ladder"]:
+            if row.get("name") not in names:
+                continue
+            if row.get("status") != "ok":
+                lines.append(f"  {row['stage']} {row['name']:<15} {row.get('status')}")
+                continue
+            phases = ", ".join(f"{k} {v:.1f}" for k, v in row.get("phase_ms", {}).items())
+            lines.append(f"  {row['stage']} {row['name']:<15} N={row['n_envs']} "
+                         f"T={row['n_steps']}: {row['sps']:,.0f} env steps/s, "
+                         f"{row['host_reads_per_iter']} host reads/iteration, "
+                         f"{row.get('precision')}; ms per iteration: {phases}")
+    return "\n".join(lines) if lines else "No GPU run recorded yet"
+
+
+def reads_by_line(sites: Counter | dict) -> Counter:
+    """Host reads keyed by the line of code that made them (from ``SyncMeter(call_sites=True)
+    .sites``): ``labkit/envs/torch_loop.py (step): if cell != WALL:``. The line's text rather
+    than its number, so a compared count reads well and survives edits elsewhere in the file;
+    a notebook cell's file becomes ``<cell>``."""
+    import linecache
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out: Counter = Counter()
+    for site, count in sites.items():
+        match = re.fullmatch(r"(.*):(\d+) \((.*)\)", site.split(" via ", 1)[0])
+        if match is None:
+            out[site] += count
+            continue
+        path, line, func = match.groups()
+        full = path if os.path.isabs(path) else os.path.join(root, path)
+        text = linecache.getline(full, int(line)).strip() or f"line {line}"
+        if re.search(r"ipykernel_\d+[/\\]\d+\.py$|<ipython-input-", path):
+            path = "<cell>"
+        out[f"{path} ({func}): {text}"] += count
+    return out
+
+
+def reads_by_file(sites: Counter | dict, per: int = 1) -> dict[str, float]:
+    """Host reads (``SyncMeter(call_sites=True).sites``) by the file that made them, divided by
+    ``per``: ``{"labkit/logging.py": 1.0, ...}``, most first. Line numbers, function names and
+    the ``via`` torch frame are dropped, so a count that a notebook compares survives edits."""
+    import re
+
+    out: Counter = Counter()
+    for site, count in sites.items():
+        where = site.split(" via ", 1)[0]
+        match = re.fullmatch(r"(.*):\d+ \(.*\)", where)
+        out[match.group(1) if match else where] += count
+    return {path: count / per for path, count in sorted(out.items(), key=lambda kv: -kv[1])}

@@ -34,6 +34,7 @@ import torch
 from .capture import clone_state, load_optimizer_state_
 from .config import RunConfig, check_memory
 from .device import has_bf16, resolve_device
+from .distributed import SINGLE, Group
 from .envs import ForageNumpy, ForagePyList, ForageTorch, ForageTorchLoop
 from .executors import Compiled, Eager, Graphed
 from .logging import AsyncLogger, SyncLogger
@@ -47,8 +48,8 @@ from .update import Adam, FusedAdam, amp, build_update, fp32
 #: What each name in a component's ``requires`` means, and the skip reason when it is missing.
 REQUIREMENTS = {
     "cuda": (lambda device: device.type == "cuda", "needs CUDA"),
-    "bf16": (has_bf16, "needs bf16 (with fp16, AMP's GradScaler reads the host, which a CUDA "
-                       "graph cannot capture)"),
+    "bf16": (has_bf16, "needs bf16 (the graphed update is built and tested for bf16 autocast; "
+                       "fp16 would need its GradScaler captured too)"),
 }
 
 
@@ -138,7 +139,9 @@ class Pipeline:
 
     It owns its state: ``state_dict()`` (device-side copies of model, optimizer, env, collector,
     metrics, sampling generator and counters), ``load_state_dict()`` (in place) and ``reset()``
-    (back to the state it was built with). Building one touches no process-global state: the
+    (back to the state it was built with). Under torchrun, ``group`` says which rank this is:
+    its envs, its sampling seed, gradients averaged over the ranks, episode statistics summed
+    (see labkit.distributed). Building one touches no process-global state: the
     model is initialized from ``cfg.seed`` under a forked RNG, and compiled functions are this
     pipeline's own (torch.compile keeps at most 8 compiled versions of one function per process;
     a harness that builds many compiled pipelines resets dynamo between them, see labkit.bench).
@@ -146,7 +149,7 @@ class Pipeline:
 
     def __init__(self, stage: Stage | int | str, cfg: RunConfig | None = None,
                  device: torch.device | str = "auto", *,
-                 log_dir: str | Path | None = None) -> None:
+                 log_dir: str | Path | None = None, group: Group = SINGLE) -> None:
         self.stage = stage = get_stage(stage)
         self.cfg = cfg = cfg if cfg is not None else RunConfig()
         if not isinstance(cfg, RunConfig):
@@ -160,7 +163,8 @@ class Pipeline:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             self.agent = stage.model(cfg.spec.view, cfg.value_head).to(device)
-        self.generator = torch.Generator(device).manual_seed(cfg.seed)
+        self.group = group
+        self.generator = torch.Generator(device).manual_seed(group.sampling_seed(cfg.seed))
         self.clock = PhaseClock(device)
         self.precision = stage.precision(device)
         self.optimizer = stage.optimizer(self.agent.parameters(), cfg.ppo, device)
@@ -170,14 +174,16 @@ class Pipeline:
         self.log_dir = Path(log_dir)
         self.logger = stage.logger(self.log_dir / "steps.jsonl")
         self.metrics = stage.metrics(device=device)
-        env = stage.env(cfg.n_envs, cfg.spec, cfg.seed, device=device)
+        env = stage.env(cfg.n_envs, cfg.spec, cfg.seed, device=device,
+                        env_offset=group.env_offset(cfg.n_envs))
         self.policy = stage.rollout.inner(self.agent)
         self.collector = stage.collector(
             env=env, n_steps=cfg.n_steps, metrics=self.metrics, device=device, clock=self.clock,
             act=partial(sample_action, self.policy, generator=self.generator))
         self._step = stage.rollout.outer(self.collector.step, self, phase="graph")
         self.update = build_update(agent=self.agent, optimizer=self.optimizer,
-                                   clip_grad=stage.optimizer.clip_grad, precision=self.precision,
+                                   clip_grad=group.average_grads(stage.optimizer.clip_grad),
+                                   precision=self.precision,
                                    executor=stage.update, cfg=cfg.ppo, generator=self.generator,
                                    state=self)
         self.global_step = 0
@@ -216,6 +222,7 @@ class Pipeline:
         stats = self.update(batch)
         self.clock.lap("update")
         self.iteration_index += 1
+        self.group.reduce_metrics(self.metrics)
         episodes = self.metrics.summary()
         self.clock.lap("metrics")
         self.logger.log(self.global_step, **stats, **episodes)

@@ -119,3 +119,31 @@ def time_calls(fn: Callable[[], object], device: torch.device, repeats: int = 5)
         synchronize(device)  # the host clock is only honest once the device has finished
         times.append(time.perf_counter() - start)
     return Timings(times[0], times[1:])
+
+
+def amdahl_sps(phase_ms: dict[str, float], samples: int, free: tuple[str, ...]) -> float:
+    """Amdahl's bound: env steps/s if the phases in ``free`` cost nothing and the others took
+    what they were measured to take (``samples`` = N*T per iteration). ``phase_ms`` is
+    ``measure_stage(...)["phase_ms"]``; every name in ``free`` must be a key of ``PHASES``."""
+    unknown = sorted(set(free) - set(PHASES))
+    if unknown:
+        raise ValueError(f"free must name phases among {', '.join(PHASES)}; got {unknown}")
+    left_ms = sum(ms for k, ms in phase_ms.items() if k not in free)
+    if left_ms <= 0:
+        raise ValueError("nothing is left once the free phases are removed: no finite bound")
+    return samples / (1e-3 * left_ms)
+
+
+def break_even(sizes: list[int], baseline_s: list[float], candidate_s: list[float]
+               ) -> int | None:
+    """The smallest size from which ``candidate`` is faster than ``baseline`` at every larger
+    size measured (e.g. compiled vs eager update by minibatch size); None if there is none in
+    the range. Sizes ascending; one time per size for each."""
+    if not (len(sizes) == len(baseline_s) == len(candidate_s)) or list(sizes) != sorted(sizes):
+        raise ValueError("sizes must be ascending, with one baseline and one candidate time each")
+    found = None
+    for size, base, cand in zip(reversed(sizes), reversed(baseline_s), reversed(candidate_s)):
+        if cand >= base:
+            break
+        found = size
+    return found
