@@ -126,9 +126,11 @@ TRAIN_OPTIONS = ("stage", "device", "n_envs", "n_steps", "total_steps", "seed", 
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .distributed import current
     from .files import check_output_dir, unique_folder
     from .train import TrainConfig, TrainingFailed, TrainingInterrupted, check_runnable, train
 
+    group = current()  # under torchrun: this process's rank (every rank runs this command)
     given = {k: getattr(args, k) for k in TRAIN_OPTIONS if getattr(args, k) is not None}
     if args.resume:
         if given:
@@ -141,17 +143,24 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not out.is_dir():
             raise ValueError(f"--resume {out}: no such run folder")
     else:
-        cfg = TrainConfig.flat(**given)
-        check_runnable(cfg)
+        cfg = TrainConfig.flat(**given, world_size=group.world)
+        check_runnable(cfg, group)
+        if group.world > 1 and args.out is None:
+            raise ValueError("--out is required under torchrun: every rank must name the same "
+                             "run folder")
         out = check_output_dir(args.out) if args.out else unique_folder(
             "runs/train-%Y%m%d-%H%M%S")
     try:
-        s = train(cfg, out, resume=bool(args.resume), progress=not args.no_progress)
+        s = train(cfg, out, resume=bool(args.resume), progress=not args.no_progress,
+                  stop_after=args.stop_after, tensorboard=args.tensorboard)
     except TrainingInterrupted as err:
-        print(f"\n{err}\ncontinue with: python -m labkit train --resume {out}", file=sys.stderr)
+        if group.is_main:
+            print(f"\n{err}\ncontinue with: python -m labkit train --resume {out}",
+                  file=sys.stderr)
         return 128 + err.signum
     except TrainingFailed as err:
-        print(f"error: {_one_line(err)}", file=sys.stderr)
+        if group.is_main:
+            print(f"error: {_one_line(err)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         kept = (out / "checkpoint.pt").exists()
@@ -159,13 +168,17 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"resumed; {out / 'checkpoint.pt'} is unchanged" if kept else
             "started; nothing saved"), file=sys.stderr)
         return 130
+    if not group.is_main:
+        return 0
     if s.get("already_complete"):
         print(f"the run in {out} is already complete ({s['steps']:,} steps); nothing to do")
         return 0
     rate = s["steps_per_s"]
     print(f"trained {s['steps']:,} steps ({s['stage']} on {s['device']}) in {s['wall_s']:.0f} s: "
           f"final mean return {_num(s['final_mean_return'], '.2f')}, "
-          f"{_num(rate, ',.0f')} steps/s this session; wrote {out}")
+          f"{_num(rate, ',.0f')} steps/s this session"
+          + (f" over {s['world_size']} processes" if s["world_size"] > 1 else "")
+          + f"; wrote {out}")
     return 0
 
 
@@ -314,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run folder (default: a new runs/train-<date>-<time>)")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue the run in DIR (from its checkpoint, or from its start)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write the metrics as TensorBoard scalars to DIR")
+    p.add_argument("--stop-after", type=_positive_int, default=None, metavar="K",
+                   help="stop after iteration K of the run, with a checkpoint (--resume goes on)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 

@@ -123,10 +123,9 @@ class _Writer:
     """The background thread and its queue. Holds no reference to the AsyncLogger, so an
     unclosed logger can still be garbage-collected (its finalizer then drains this writer)."""
 
-    def __init__(self, stream: IO[str], owned: bool, max_queue: int) -> None:
+    def __init__(self, sinks: list, max_queue: int) -> None:
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self.stream = stream
-        self.owned = owned
+        self.sinks = sinks
         self.error: BaseException | None = None
         self.reported = False  # whether the logger raised self.error to its user
         self.orphaned = False
@@ -147,22 +146,20 @@ class _Writer:
             finally:
                 self.queue.task_done()
             if self.orphaned and self.queue.empty():
-                self._close_stream()
+                self._close_sinks()
                 return
 
     def _handle(self, item: object) -> None:
         if item is _FLUSH:
-            self.stream.flush()
+            for sink in self.sinks:
+                sink.flush()
             return
         step, values, events = item
         for event in events:
             event.synchronize()  # the D2H copies of this record have landed in pinned memory
         record = {"step": step, **{k: _to_python(v) for k, v in values.items()}}
-        self.stream.write(dumps(record) + "\n")
-        # Flushing each record (on this thread, off the hot path) surfaces a full disk or a
-        # deleted file at the record that failed, not a buffer's worth of records later.
-        self.stream.flush()
-        _check_not_deleted(self.stream)
+        for sink in self.sinks:
+            sink.write(record)
 
     def shutdown(self) -> None:
         """Write everything queued, stop the thread, close (or flush) the stream."""
@@ -175,7 +172,7 @@ class _Writer:
         self.queue.put(_FLUSH)
         self.queue.put(_STOP)
         self.thread.join()
-        self._close_stream()
+        self._close_sinks()
 
     def shutdown_unattended(self) -> None:
         """``shutdown`` at garbage collection or interpreter exit, when nobody will call log()
@@ -186,12 +183,58 @@ class _Writer:
                              "after the failure were not written\n")
             self.reported = True
 
-    def _close_stream(self) -> None:
+    def _close_sinks(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:
+                if self.error is None:
+                    self.error = exc
+
+
+class JsonLines:
+    """A sink: each record as one JSON line, flushed at once (on the writer thread, off the
+    hot path), so a full disk or a deleted file surfaces at the record that failed."""
+
+    def __init__(self, target: Target, mode: str = "w") -> None:
+        self.stream, self.owned = _open(target, mode)
+
+    def write(self, record: dict) -> None:
+        self.stream.write(dumps(record) + "\n")
+        self.stream.flush()
+        _check_not_deleted(self.stream)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close(self) -> None:
+        _close_stream(self.stream, self.owned)
+
+
+class TensorBoardSink:
+    """A sink: the numeric values of each record as TensorBoard scalars at the record's step
+    (``torch.utils.tensorboard``; needs the ``tensorboard`` package)."""
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
         try:
-            _close_stream(self.stream, self.owned)
-        except Exception as exc:
-            if self.error is None:
-                self.error = exc
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ValueError("--tensorboard needs the tensorboard package: pip install "
+                             "'labkit[tensorboard]'") from None
+        self.writer = SummaryWriter(str(log_dir))
+
+    def write(self, record: dict) -> None:
+        step = record["step"]
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool) and value == value:
+                self.writer.add_scalar(key, value, step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 class AsyncLogger(_LoggerBase):
@@ -204,21 +247,25 @@ class AsyncLogger(_LoggerBase):
     backpressure keeps memory (queued records and their pinned buffers) bounded when the
     writer is slower than the training loop.
 
-    ``close()`` writes every queued record, then stops the thread; it is idempotent, and also
+    ``target`` gets one JSON line per record; ``sinks`` (objects with ``write(record)``,
+    ``flush()``, ``close()``, such as :class:`TensorBoardSink`) get every record too, on the
+    same background thread. ``close()`` writes every queued record, then stops the thread;
+    it is idempotent, and also
     runs when the logger leaves a ``with`` block (exception or not), when it is
     garbage-collected, and at interpreter exit (a ``weakref.finalize``, which does not keep the
     logger alive). If the writer fails, the next ``log``/``flush``/``close`` raises a
     ``RuntimeError`` chained from the writer's exception; records after the failure are lost.
     """
 
-    def __init__(self, target: Target, max_queue: int = 1024, mode: str = "w") -> None:
+    def __init__(self, target: Target | None, max_queue: int = 1024, mode: str = "w",
+                 sinks: tuple = ()) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int):
             raise TypeError(f"max_queue must be an int >= 1, got {type(max_queue).__name__}")
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        stream, owned = _open(target, mode)
         self.max_queue = max_queue
-        self._writer = _Writer(stream, owned, max_queue)
+        all_sinks = ([JsonLines(target, mode)] if target is not None else []) + list(sinks)
+        self._writer = _Writer(all_sinks, max_queue)
         self._finalizer = weakref.finalize(self, self._writer.shutdown_unattended)
 
     @property

@@ -58,6 +58,15 @@ class EagerEpisodeStats:
     def load_state_dict(self, state: dict) -> None:
         self.returns, self.lengths = list(state["returns"]), list(state["lengths"])
 
+    def all_reduce_(self) -> None:
+        """Every rank's episodes, in rank order (torch.distributed; lists, so objects)."""
+        import torch.distributed as dist
+
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self.returns, self.lengths))
+        self.returns = [r for returns, _ in gathered for r in returns]
+        self.lengths = [n for _, lengths in gathered for n in lengths]
+
 
 class DeviceEpisodeStats:
     """Aggregate on the device with masked reductions: no host read in ``update``, one in
@@ -106,3 +115,11 @@ class DeviceEpisodeStats:
         self._sums.copy_(state["sums"])
         self._min.copy_(state["min"])
         self._max.copy_(state["max"])
+
+    def all_reduce_(self) -> None:
+        """Sum the accumulators over the ranks, on the device (torch.distributed)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(self._sums)
+        dist.all_reduce(self._min, op=dist.ReduceOp.MIN)
+        dist.all_reduce(self._max, op=dist.ReduceOp.MAX)

@@ -28,6 +28,7 @@ from . import checkpoint
 from .config import RunConfig, check_memory, split_run_fields
 from .device import ALLOWED as DEVICES
 from .device import resolve_device
+from .distributed import SINGLE, Group, join, leave, parameter_checksum
 from .envs.spec import check_int
 from .files import (
     FolderLock,
@@ -36,7 +37,7 @@ from .files import (
     write_json,
     write_jsonl,
 )
-from .logging import SyncLogger
+from .logging import AsyncLogger, SyncLogger, TensorBoardSink
 from .signals import signals_deferred, signum_of, stop_signals
 from .stages import Pipeline, StageSkipped, get_stage
 
@@ -64,8 +65,11 @@ class TrainConfig:
     """Env steps of the whole run, rounded down to whole iterations (at least one)."""
     checkpoint_every: int = 25
     """Write OUT/checkpoint.pt every this many iterations (0: only at the end and on Ctrl-C)."""
+    world_size: int = 1
+    """Processes of a torchrun run (the CLI sets it from torchrun's WORLD_SIZE); every process
+    steps its own n_envs, and total_steps counts them all."""
     n_iterations: int = field(init=False)
-    """total_steps // (n_envs * n_steps), derived."""
+    """total_steps // (n_envs * n_steps * world_size), derived."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.run, RunConfig):
@@ -75,10 +79,14 @@ class TrainConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
         check_int("total_steps", self.total_steps, 1)
         check_int("checkpoint_every", self.checkpoint_every, 0)
-        batch = self.run.batch_size
+        check_int("world_size", self.world_size, 1)
+        if self.world_size > 1 and self.run.value_head != "plain":
+            raise ValueError("value_head must be plain under torchrun (PopArt's statistics "
+                             "would need an all-reduce of their own)")
+        batch = self.run.batch_size * self.world_size
         if self.total_steps < batch:
-            raise ValueError(f"total_steps must be at least one batch (n_envs * n_steps = "
-                             f"{batch}), got {self.total_steps}")
+            raise ValueError(f"total_steps must be at least one batch (n_envs * n_steps * "
+                             f"world_size = {batch}), got {self.total_steps}")
         self.n_iterations = self.total_steps // batch
         self.run = self.run.replace(lr_horizon=self.n_iterations)
 
@@ -129,21 +137,24 @@ class TrainingFailed(RuntimeError):
     disk); the message says what happened and where the last good state is."""
 
 
-def check_runnable(cfg: TrainConfig) -> torch.device:
-    """The device ``cfg`` trains on, after checking (before anything is written) that the
-    device exists, the stage can run there and the run fits in its memory."""
-    device = resolve_device(cfg.device)
+def check_runnable(cfg: TrainConfig, group: Group = SINGLE) -> torch.device:
+    """The device ``cfg`` trains on (this rank's GPU under torchrun), after checking (before
+    anything is written) that it exists, the stage can run there and the run fits in memory."""
+    device = group.device(resolve_device(cfg.device))
     reason = get_stage(cfg.stage).skip_reason(device)
     if reason:
         raise ValueError(f"stage {cfg.stage!r} cannot run on {device}: {reason}")
     check_memory(cfg.run, device)
+    if cfg.world_size != group.world:
+        raise ValueError(f"world_size is {cfg.world_size} in the config but torchrun started "
+                         f"{group.world} process(es); resume a run with as many as it had")
     return device
 
 
-def build_pipeline(cfg: TrainConfig, device: torch.device) -> Pipeline:
+def build_pipeline(cfg: TrainConfig, device: torch.device, group: Group = SINGLE) -> Pipeline:
     """The stage's pipeline for ``cfg`` (its LR annealed over ``cfg.n_iterations``)."""
     try:
-        return Pipeline(cfg.stage, cfg.run, device)
+        return Pipeline(cfg.stage, cfg.run, device, group=group)
     except StageSkipped as err:
         raise ValueError(f"stage {cfg.stage!r} cannot run on {device}: {err}") from None
 
@@ -233,13 +244,19 @@ def _open_run(cfg: TrainConfig | None, out: Path, resume: bool
                 f"{ckpt_path}: field 'state.iteration' ({it}) or 'state.global_step' ({step}) "
                 f"does not fit a run of {saved_cfg.n_iterations} iterations of "
                 f"{saved_cfg.run.batch_size} steps")
+        ranks = saved.get("ranks")
+        if saved_cfg.world_size > 1 and (not isinstance(ranks, list)
+                                         or len(ranks) != saved_cfg.world_size):
+            raise checkpoint.CheckpointError(f"{ckpt_path}: field 'ranks' must hold the state "
+                                             f"of each of its {saved_cfg.world_size} ranks")
     return saved_cfg, saved
 
 
 def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
-          progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
+          progress: bool = True, stop_after: int | None = None,
+          tensorboard: str | Path | None = None) -> dict[str, Any]:
     """Train, writing ``out/config.json``, ``out/metrics.jsonl``, ``out/checkpoint.pt`` and
-    ``out/summary.json``.
+    ``out/summary.json`` (and TensorBoard scalars to ``tensorboard`` if given).
 
     ``resume=True`` continues the run saved in ``out`` with its saved config (``cfg`` must be
     None or equal to it), from its checkpoint or, if it died before the first one, from its
@@ -249,26 +266,71 @@ def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
     the save). A non-finite loss or a write error raises :class:`TrainingFailed` saying where
     the last good state is. The folder is locked while training: a second process writing to
     it gets a clear error. Returns the summary (also written to summary.json).
+
+    Under torchrun every process calls this; rank 0 alone checks and writes the folder, and
+    checkpoints hold every rank's envs (a stop signal keeps the last scheduled checkpoint:
+    ranks stopped mid-iteration cannot agree on a newer one).
     """
     if stop_after is not None:
         check_int("stop_after", stop_after, 1)
-    if cfg is not None:
-        check_runnable(cfg)
-    if resume and not any((Path(out) / name).exists() for name in RUN_FILES):
-        raise ValueError(f"no run to resume in {out}: neither {checkpoint.FILENAME} nor "
-                         f"{CONFIG} is there")
-    out = check_output_dir(out)
-    with FolderLock(out):
-        return _train_locked(cfg, out, resume, progress, stop_after)
+    group = join()
+    try:
+        return _train(cfg, Path(out), resume, progress, stop_after, tensorboard, group)
+    finally:
+        leave(group)
 
 
-def _train_locked(cfg: TrainConfig | None, out: Path, resume: bool, progress: bool,
-                  stop_after: int | None) -> dict[str, Any]:
+def _train(cfg: TrainConfig | None, out: Path, resume: bool, progress: bool,
+           stop_after: int | None, tensorboard: str | Path | None, group: Group
+           ) -> dict[str, Any]:
+    lock, saved, failure = None, None, None
+    if group.is_main:
+        try:
+            if cfg is not None:
+                check_runnable(cfg, group)
+            if resume and not any((out / name).exists() for name in RUN_FILES):
+                raise ValueError(f"no run to resume in {out}: neither {checkpoint.FILENAME} "
+                                 f"nor {CONFIG} is there")
+            out = check_output_dir(out)
+            if tensorboard is not None:
+                check_output_dir(tensorboard, "--tensorboard")
+            lock = FolderLock(out).acquire()
+            cfg, saved = _open_run(cfg, out, resume)
+        except (ValueError, OSError) as err:
+            if lock is not None:
+                lock.release()
+            if group.world == 1:
+                raise
+            failure = err
+    shared = group.broadcast(None if failure is not None or not group.is_main else
+                             (cfg.to_dict(), saved is not None))
+    if failure is not None:
+        raise failure
+    if shared is None:
+        raise ValueError("rank 0 could not start the run (its error is in its output)")
+    if not group.is_main:
+        cfg = TrainConfig.from_dict(shared[0])
+        saved = checkpoint.load(out / checkpoint.FILENAME) if shared[1] else None
+    try:
+        return _run(cfg, saved, out, progress, stop_after, tensorboard, group)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _rank_part(state: dict) -> dict:
+    """What differs between ranks: their envs, their episode statistics, their sampler."""
+    return {k: state[k] for k in ("collector", "metrics", "generator")}
+
+
+def _run(cfg: TrainConfig, saved: dict | None, out: Path, progress: bool,
+         stop_after: int | None, tensorboard: str | Path | None, group: Group
+         ) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
+    main = group.is_main
     ckpt_path = out / checkpoint.FILENAME
-    cfg, saved = _open_run(cfg, out, resume)
-    device = check_runnable(cfg)
+    device = check_runnable(cfg, group)
     if saved is not None and torch.device(saved["device"]).type != device.type:
         raise ValueError(f"{ckpt_path} was written on {saved['device']}; resume it on the same "
                          f"kind of device (got {device}): the sampling generator's state is "
@@ -279,12 +341,15 @@ def _train_locked(cfg: TrainConfig | None, out: Path, resume: bool, progress: bo
             return {**json.loads((out / SUMMARY).read_text(encoding="utf-8")),
                     "already_complete": True}
         raise ValueError(f"the run in {out} is complete ({start} iterations); nothing to resume")
-    kept = _read_metrics(out / METRICS, start)
-    pipe = build_pipeline(cfg, device)
+    kept = _read_metrics(out / METRICS, start) if main else []
+    pipe = build_pipeline(cfg, device, group)
     wall_before = 0.0
     if saved is not None:
+        state = dict(saved["state"])
+        if group.world > 1:
+            state.update(saved["ranks"][group.rank])
         try:
-            pipe.load_state_dict(saved["state"])
+            pipe.load_state_dict(state)
         except (KeyError, RuntimeError, TypeError, ValueError) as err:
             pipe.close()
             raise checkpoint.CheckpointError(f"{ckpt_path}: its state does not fit its config "
@@ -292,18 +357,27 @@ def _train_locked(cfg: TrainConfig | None, out: Path, resume: bool, progress: bo
         wall_before = float(saved["wall_s"])
     end = cfg.n_iterations if stop_after is None else max(start, min(stop_after,
                                                                      cfg.n_iterations))
-    if saved is not None or (out / METRICS).exists():
+    if main and (saved is not None or (out / METRICS).exists()):
         write_jsonl(out / METRICS, kept)
     recent: deque = deque(kept[-FINAL_WINDOW:], maxlen=FINAL_WINDOW)
+    steps_per_iteration = cfg.run.batch_size * cfg.world_size
 
-    metrics_log = SyncLogger(out / METRICS, mode="a")
+    metrics_log = SyncLogger(out / METRICS, mode="a") if main else None
+    board = AsyncLogger(None, sinks=[TensorBoardSink(tensorboard)]) \
+        if main and tensorboard is not None else None
     state, state_wall = pipe.state_dict(), wall_before
     saved_iteration = start if saved is not None else None
 
     def save_state() -> None:
+        """Every rank takes part (its envs are in the checkpoint); rank 0 writes."""
         nonlocal saved_iteration
-        checkpoint.save(ckpt_path, {"config": cfg.to_dict(), "device": str(device),
-                                    "wall_s": state_wall, "state": state})
+        parts = group.gather(_rank_part(state))
+        if main:
+            payload = {"config": cfg.to_dict(), "device": str(device), "wall_s": state_wall,
+                       "state": state}
+            if group.world > 1:
+                payload["ranks"] = parts
+            checkpoint.save(ckpt_path, payload)
         saved_iteration = state["iteration"]
 
     def where_saved() -> str:
@@ -311,8 +385,9 @@ def _train_locked(cfg: TrainConfig | None, out: Path, resume: bool, progress: bo
             return "no checkpoint was written yet"
         return f"{ckpt_path} holds the state after iteration {saved_iteration}"
 
-    bar = tqdm(total=cfg.n_iterations * cfg.run.batch_size, initial=start * cfg.run.batch_size,
-               unit="step", unit_scale=True, desc=f"train {cfg.stage}", disable=not progress)
+    bar = tqdm(total=cfg.n_iterations * steps_per_iteration,
+               initial=start * steps_per_iteration, unit="step", unit_scale=True,
+               desc=f"train {cfg.stage}", disable=not (progress and main))
     first_iter_s = None
     t_start = time.perf_counter()
     failed = True
@@ -324,26 +399,30 @@ def _train_locked(cfg: TrainConfig | None, out: Path, resume: bool, progress: bo
                 record = {"iteration": it + 1, **_read_stats(pipe, stats),
                           **{k: stats[k] for k in ("episodes", "mean_return", "std_return",
                                                    "mean_length")}}
-                if not all(math.isfinite(record[k]) for k in UPDATE_KEYS):
-                    bad = [k for k in UPDATE_KEYS if not math.isfinite(record[k])]
+                bad = [k for k in UPDATE_KEYS if not math.isfinite(record[k])]
+                if group.any(bad):
                     with signals_deferred():
                         if state["iteration"] != saved_iteration:
                             save_state()  # the last finite state
-                    raise TrainingFailed(f"the loss became non-finite ({', '.join(bad)}) in "
-                                         f"iteration {it + 1}; stopped. {where_saved()}")
+                    what = ", ".join(bad) or "on another rank"
+                    raise TrainingFailed(f"the loss became non-finite ({what}) in iteration "
+                                         f"{it + 1}; stopped. {where_saved()}")
                 now = time.perf_counter()
                 iter_s = now - t0
                 first_iter_s = iter_s if first_iter_s is None else first_iter_s
-                record.update(iter_s=iter_s, sps=cfg.run.batch_size / iter_s,
+                record.update(iter_s=iter_s, sps=steps_per_iteration / iter_s,
                               wall_s=wall_before + now - t_start)
-                metrics_log.log(pipe.global_step, **record)
-                metrics_log.flush()
+                if main:
+                    metrics_log.log(pipe.global_step * group.world, **record)
+                    metrics_log.flush()
+                    if board is not None:
+                        board.log(pipe.global_step * group.world, **record)
                 recent.append(record)
                 state, state_wall = pipe.state_dict(), record["wall_s"]
                 if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
                     with signals_deferred():
                         save_state()
-                bar.update(cfg.run.batch_size)
+                bar.update(steps_per_iteration)
                 if record["episodes"]:
                     bar.set_postfix(ret=f"{record['mean_return']:.2f}",
                                     sps=f"{record['sps']:.0f}")
@@ -351,10 +430,12 @@ def _train_locked(cfg: TrainConfig | None, out: Path, resume: bool, progress: bo
             save_state()
         failed = False
     except KeyboardInterrupt as stop:
-        # Mid-iteration state is torn; the last boundary's copy is what resumes exactly.
+        # Mid-iteration state is torn; the last boundary's copy is what resumes exactly. Ranks
+        # of a torchrun stop at different points, so there only scheduled checkpoints count.
         signum = signum_of(stop)
-        with signals_deferred():
-            save_state()
+        if group.world == 1:
+            with signals_deferred():
+                save_state()
         raise TrainingInterrupted(
             f"interrupted by {signal.Signals(signum).name}; {where_saved()}", signum,
             ckpt_path, saved_iteration) from None
@@ -364,26 +445,32 @@ def _train_locked(cfg: TrainConfig | None, out: Path, resume: bool, progress: bo
     finally:
         bar.close()
         pipe.close()
-        try:
-            metrics_log.close()
-        except OSError:
-            if not failed:
-                raise
+        for log in (metrics_log, board):
+            try:
+                if log is not None:
+                    log.close()
+            except (OSError, RuntimeError):
+                if not failed:
+                    raise
 
     session_s = time.perf_counter() - t_start
     ran = end - start
+    checksums = group.all_gather(parameter_checksum(pipe.agent))
     final_return, final_length = _final_means(recent)
     summary = {
         "stage": cfg.stage, "device": str(device), "complete": end == cfg.n_iterations,
-        "iterations": end, "steps": end * cfg.run.batch_size,
+        "iterations": end, "steps": end * steps_per_iteration,
+        "world_size": group.world, "params_identical_on_all_ranks": len(set(checksums)) == 1,
+        "param_checksums": checksums,
         "final_mean_return": final_return, "final_mean_length": final_length,
         "final_window_iterations": len(recent),
         "wall_s": wall_before + session_s,
-        "steps_per_s": ran * cfg.run.batch_size / session_s if ran else math.nan,
-        "steady_steps_per_s": ((ran - 1) * cfg.run.batch_size / (session_s - first_iter_s)
+        "steps_per_s": ran * steps_per_iteration / session_s if ran else math.nan,
+        "steady_steps_per_s": ((ran - 1) * steps_per_iteration / (session_s - first_iter_s)
                                if ran > 1 else math.nan),
         "first_iteration_s": first_iter_s,
         "config": cfg.to_dict(),
     }
-    write_json(out / SUMMARY, summary)
+    if main:
+        write_json(out / SUMMARY, summary)
     return summary

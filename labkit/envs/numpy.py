@@ -72,7 +72,7 @@ def kth_free(free: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 
 class ForageNumpy:
-    """``n_envs`` Forage envs; env ``i`` uses hash counter env index ``i``.
+    """``n_envs`` Forage envs; env ``i`` uses hash counter env index ``env_offset + i``.
 
     ``reset() -> (obs, info)``, ``step(actions) -> (obs, reward, terminated, truncated, info)``
     with obs float32 (N, 3, V, V), reward float32 (N,), terminated/truncated bool (N,) and
@@ -82,7 +82,8 @@ class ForageNumpy:
     """
 
     def __init__(self, n_envs: int, spec: ForageSpec | None = None, seed: int = 0,
-                 *, device: object = None, final_obs: bool = False) -> None:
+                 *, device: object = None, final_obs: bool = False,
+                 env_offset: int = 0) -> None:
         self.n_envs = check_n_envs(n_envs)
         self.spec = spec if spec is not None else ForageSpec()
         if not isinstance(self.spec, ForageSpec):
@@ -90,7 +91,7 @@ class ForageNumpy:
         self.seed = check_seed(seed)
         self.final_obs = bool(final_obs)
         self.layout = Layout.of(self.spec)
-        self.env_index = np.arange(self.n_envs, dtype=np.int64)
+        self.env_index = np.arange(env_offset, env_offset + self.n_envs, dtype=np.int64)
         self.reset()
 
     def _free_cell(self, grid: np.ndarray, pos: np.ndarray, episode: np.ndarray,

@@ -127,8 +127,9 @@ class ForagePyList(list):
     (``device`` is unused: plain Python lives on the host) and checkpoints as one env."""
 
     def __init__(self, n_envs: int, spec: ForageSpec | None = None, seed: int = 0,
-                 device: object = None) -> None:
-        super().__init__(ForagePy(spec, seed, env_index=i) for i in range(check_n_envs(n_envs)))
+                 device: object = None, env_offset: int = 0) -> None:
+        super().__init__(ForagePy(spec, seed, env_index=env_offset + i)
+                         for i in range(check_n_envs(n_envs)))
         self.n_envs, self.spec = n_envs, self[0].spec
 
     def reset(self, seed: int | None = None) -> tuple[list, dict]:

@@ -29,7 +29,8 @@ def kth_free(free: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 class ForageTorch:
-    """``n_envs`` Forage envs on ``device``; env ``i`` uses hash counter env index ``i``.
+    """``n_envs`` Forage envs on ``device``; env ``i`` uses hash counter env index
+    ``env_offset + i`` (ranks of a distributed run take disjoint ranges).
 
     Same API and outputs as ForageNumpy, with tensors on ``device``. ``state_dict()`` /
     ``load_state_dict()`` checkpoint the whole env (grids are flat and wall-padded).
@@ -39,7 +40,8 @@ class ForageTorch:
     vectorized_on_device = True
 
     def __init__(self, n_envs: int, spec: ForageSpec | None = None, seed: int = 0,
-                 device: str | torch.device = "cpu", final_obs: bool = False) -> None:
+                 device: str | torch.device = "cpu", final_obs: bool = False,
+                 env_offset: int = 0) -> None:
         self.n_envs = check_n_envs(n_envs)
         self.spec = spec if spec is not None else ForageSpec()
         if not isinstance(self.spec, ForageSpec):
@@ -61,7 +63,7 @@ class ForageTorch:
         self._item_kinds = on_device(kinds[kinds != AGENT])
         self._agent_draw = lay.placements.index(AGENT)
         self._draws = torch.arange(len(lay.placements), device=dev)
-        self._env = torch.arange(n, device=dev)
+        self._env = torch.arange(env_offset, env_offset + n, device=dev)
 
         self.seed = torch.tensor(seed, dtype=torch.int64, device=dev)
         self.episode = torch.zeros(n, dtype=torch.int64, device=dev)

@@ -1,0 +1,144 @@
+"""Data-parallel PPO on ``torch.distributed``, launched by ``torchrun``.
+
+Each rank simulates its own envs (global env index = rank x N + i, so the counter-based RNG
+gives every rank distinct, reproducible envs) and samples with its own generator; parameters
+start equal (same seed) and stay equal because every minibatch's gradients are averaged over
+the ranks before clipping and the optimizer step; episode statistics are summed over the ranks
+before their one read. Rank 0 alone writes logs and checkpoints.
+
+A pipeline takes a :class:`Group`; the single-process one (``SINGLE``) does nothing at each
+of these points, so the same code runs with and without torchrun.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: The sampling generator of rank r is seeded with seed + SEED_STRIDE * r (rank 0: the seed).
+SEED_STRIDE = 1_000_003
+
+
+@dataclass(frozen=True)
+class Group:
+    """This process's place in the run: ``rank`` of ``world`` processes."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def env_offset(self, n_envs: int) -> int:
+        """Hash counter index of this rank's first env."""
+        return self.rank * n_envs
+
+    def sampling_seed(self, seed: int) -> int:
+        return (seed + SEED_STRIDE * self.rank) % 2**32
+
+    def device(self, device: torch.device) -> torch.device:
+        """One GPU per process on a node: cuda:LOCAL_RANK."""
+        if self.world > 1 and device.type == "cuda":
+            return torch.device("cuda", self.local_rank)
+        return device
+
+    def average_grads(self, clip_grad: Callable) -> Callable:
+        """``clip_grad`` preceded by averaging the gradients over the ranks (one all-reduce of
+        one flat buffer per minibatch step); ``clip_grad`` itself alone."""
+        if self.world == 1:
+            return clip_grad
+        world = self.world
+
+        def all_reduce_then_clip(params: Iterable[torch.Tensor], max_norm: float):
+            params = list(params)
+            grads = [p.grad for p in params if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat.div_(world)
+            chunks = flat.split([g.numel() for g in grads])
+            torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(chunks, grads)])
+            return clip_grad(params, max_norm)
+
+        return all_reduce_then_clip
+
+    def reduce_metrics(self, metrics: Any) -> None:
+        """Make ``metrics`` hold every rank's episodes (before its summary reads them)."""
+        if self.world > 1:
+            metrics.all_reduce_()
+
+    def gather(self, obj: Any) -> list | None:
+        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world if self.is_main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def all_gather(self, obj: Any) -> list:
+        if self.world == 1:
+            return [obj]
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is True on any (decisions that all ranks must share)."""
+        return any(self.all_gather(bool(flag)))
+
+
+SINGLE = Group()
+
+
+def world_size() -> int:
+    """The number of processes torchrun started (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def current() -> Group:
+    """This process's place, from torchrun's environment variables (no communication)."""
+    if world_size() == 1:
+        return SINGLE
+    return Group(rank=int(os.environ["RANK"]), world=world_size(),
+                 local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def join() -> Group:
+    """This process's group: under torchrun, join the process group (NCCL for CUDA tensors and
+    gloo for CPU ones where there is a GPU, gloo alone otherwise); else the single one."""
+    group = current()
+    if group.world > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(group.local_rank)
+            dist.init_process_group("cpu:gloo,cuda:nccl")
+        else:
+            dist.init_process_group("gloo")
+    return group
+
+
+def leave(group: Group) -> None:
+    if group.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def parameter_checksum(module: torch.nn.Module) -> str:
+    """A digest of the parameters' bytes (a deliberate host read: once, at the end of a run),
+    to show that every rank ends with the same model."""
+    digest = hashlib.sha256()
+    for p in module.parameters():
+        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]

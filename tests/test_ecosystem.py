@@ -1,0 +1,183 @@
+"""Meeting users where they are: profiler traces, TensorBoard, and scale-out with torchrun."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit import checkpoint
+from labkit.capture import tree_tensors
+from labkit.cli import main
+from labkit.config import RunConfig
+from labkit.stages import Pipeline
+from labkit.syncmeter import SyncMeter
+from labkit.train import TrainConfig, train
+
+ROOT = Path(__file__).parents[1]
+
+
+# ---------------------------------------------------------------- profiler traces
+
+
+def test_profile_writes_a_trace_with_the_phases_labelled(tmp_path, capsys):
+    code = main(["profile", "--device", "cpu", "--stage", "gpu_metrics", "--n-envs", "8",
+                 "--n-steps", "16", "--iterations", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "top ops by self time" in out
+    assert "aten::convolution_backward" in out or "aten::mkldnn_convolution" in out
+    [trace] = tmp_path.glob("*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    phases = [e for e in events if e.get("name", "").startswith("phase: ")]
+    names = {e["name"].removeprefix("phase: ") for e in phases}
+    assert {"policy", "env", "io", "metrics", "gae", "update"} <= names
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    first, last = min(e["ts"] for e in phases), max(e["ts"] + e["dur"] for e in phases)
+    inside = [e for e in ops if first <= e["ts"] <= last]
+    assert len(inside) > 0.9 * len(ops)  # the phase ranges cover the profiled iterations
+    updates = [e for e in phases if e["name"] == "phase: update"]
+    convs_in_update = [e for e in ops if e["name"] == "aten::convolution_backward"
+                       and any(u["ts"] <= e["ts"] <= u["ts"] + u["dur"] for u in updates)]
+    assert len(convs_in_update) == 2 * 16 * 2  # 2 iterations x 16 minibatches x 2 convs
+
+
+# ---------------------------------------------------------------- TensorBoard
+
+
+def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = TrainConfig.flat(stage="async_logging", device="cpu", n_envs=4, n_steps=16,
+                           total_steps=256, seed=2, checkpoint_every=0)
+    train(cfg, tmp_path / "run", progress=False, tensorboard=tmp_path / "tb")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+               .splitlines()]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    for key in ("pg_loss", "entropy", "lr", "sps"):
+        scalars = events.Scalars(key)
+        assert [s.step for s in scalars] == [r["step"] for r in records]
+        assert [s.value for s in scalars] == pytest.approx([r[key] for r in records],
+                                                           rel=1e-6)
+
+
+def test_tensorboard_adds_no_host_read_to_training(tmp_path):
+    pytest.importorskip("tensorboard")
+    reads = []
+    for board in (None, tmp_path / "tb"):
+        cfg = TrainConfig.flat(stage="fused_amp", device="cpu", n_envs=4, n_steps=16,
+                               total_steps=128, seed=2, checkpoint_every=0)
+        with SyncMeter() as meter:
+            train(cfg, tmp_path / f"run{len(reads)}", progress=False, tensorboard=board)
+        reads.append(meter.host_reads)
+    assert reads[0] == reads[1]
+
+
+# ---------------------------------------------------------------- torchrun
+
+
+def torchrun(*argv: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--standalone", "-m", "labkit", "train", "--no-progress", *argv]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+TINY = ["--device", "cpu", "--stage", "gpu_metrics", "--n-envs", "8", "--n-steps", "16",
+        "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    r = torchrun(*TINY, "--total-steps", "2048", "--checkpoint-every", "4", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_two_ranks_keep_identical_parameters_and_count_all_steps(two_rank_run):
+    summary = json.loads((two_rank_run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2048
+    assert summary["params_identical_on_all_ranks"] and len(summary["param_checksums"]) == 2
+    records = [json.loads(line) for line in (two_rank_run / "metrics.jsonl").read_text()
+               .splitlines()]
+    assert [r["step"] for r in records] == [256 * (i + 1) for i in range(8)]
+    saved = checkpoint.load(two_rank_run / "checkpoint.pt")
+    ranks = saved["ranks"]
+    assert len(ranks) == 2
+    env0, env1 = (r["collector"]["env"] for r in ranks)
+    assert not torch.equal(env0["grid"], env1["grid"])  # each rank steps its own envs
+
+
+def test_each_rank_steps_its_own_slice_of_the_global_envs():
+    """Rank r of a run of N envs per rank steps global env indices r*N .. r*N + N - 1: rank 1
+    of two starts where envs 8-15 of one 16-env pipeline start."""
+    from labkit.distributed import Group
+
+    with Pipeline("gpu_metrics", RunConfig(n_envs=16, n_steps=16, seed=3), "cpu") as p:
+        wide = p.collector.obs.clone()
+    with Pipeline("gpu_metrics", RunConfig(n_envs=8, n_steps=16, seed=3), "cpu",
+                  group=Group(rank=1, world=2)) as p:
+        assert torch.equal(p.collector.obs, wide[8:])
+        assert not torch.equal(p.collector.obs, wide[:8])
+
+
+def _same_checkpoints(a_path: Path, b_path: Path) -> None:
+    a, b = checkpoint.load(a_path), checkpoint.load(b_path)
+    for x, y in zip(tree_tensors(a["state"]), tree_tensors(b["state"]), strict=True):
+        assert torch.equal(x, y)
+    for ra, rb in zip(a["ranks"], b["ranks"], strict=True):
+        for x, y in zip(tree_tensors(ra), tree_tensors(rb), strict=True):
+            assert torch.equal(x, y)
+
+
+def test_a_two_rank_run_resumes_exactly(two_rank_run, tmp_path):
+    out = tmp_path / "split"
+    r = torchrun(*TINY, "--total-steps", "2048", "--checkpoint-every", "4", "--out", str(out),
+                 "--stop-after", "4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert checkpoint.load(out / "checkpoint.pt")["state"]["iteration"] == 4
+    r = torchrun("--resume", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    _same_checkpoints(out / "checkpoint.pt", two_rank_run / "checkpoint.pt")
+    def strip(rec):
+        return {k: v for k, v in rec.items() if k not in ("iter_s", "sps", "wall_s")}
+    lines = [(run / "metrics.jsonl").read_text().splitlines() for run in (out, two_rank_run)]
+    assert [strip(json.loads(x)) for x in lines[0]] == [strip(json.loads(x)) for x in lines[1]]
+
+
+@pytest.mark.slow
+def test_a_two_rank_run_learns_and_resumes_after_sigterm(tmp_path):
+    out = tmp_path / "r"
+    args = ["--device", "cpu", "--stage", "gpu_metrics", "--n-envs", "32", "--n-steps", "32",
+            "--seed", "1",
+            "--total-steps", "98304", "--checkpoint-every", "8", "--out", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--standalone", "-m", "labkit", "train", "--no-progress", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 600
+    while not (out / "checkpoint.pt").exists():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=300)
+    stopped_at = checkpoint.load(out / "checkpoint.pt")["state"]["iteration"]
+    assert stopped_at % 8 == 0 and stopped_at < 48
+    r = torchrun("--resume", str(out), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] and summary["params_identical_on_all_ranks"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == list(range(1, 49))
+    early = [r["mean_return"] for r in records[:4] if r["episodes"]]
+    assert summary["final_mean_return"] > 3 * max(early + [0.5])  # it learns
+    one_go = tmp_path / "one_go"
+    r = torchrun(*args[:-1], str(one_go), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _same_checkpoints(out / "checkpoint.pt", one_go / "checkpoint.pt")
