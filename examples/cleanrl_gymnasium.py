@@ -82,6 +82,9 @@ def main(args: Args) -> dict:
 
     T, N = args.num_steps, args.num_envs
     batch_size = T * N
+    if args.total_timesteps < batch_size or batch_size % args.num_minibatches:
+        raise ValueError(f"total_timesteps must be >= num_envs * num_steps = {batch_size}, and "
+                         f"num_minibatches must divide it (got {args.num_minibatches})")
     minibatch_size = batch_size // args.num_minibatches
     obs = torch.zeros((T, N, *obs_shape), device=device)
     actions = torch.zeros((T, N), dtype=torch.long, device=device)

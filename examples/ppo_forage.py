@@ -68,6 +68,13 @@ class Args:
     max_grad_norm: float = 0.5
     adam_eps: float = 1e-5
 
+    def __post_init__(self) -> None:
+        if min(self.n_envs, self.n_steps, self.n_minibatches, self.total_steps) < 1:
+            raise ValueError("n_envs, n_steps, n_minibatches and total_steps must be >= 1")
+        if self.batch_size % self.n_minibatches:
+            raise ValueError(f"n_minibatches must divide n_envs * n_steps = {self.batch_size}, "
+                             f"got {self.n_minibatches}")
+
     @property
     def batch_size(self) -> int:
         return self.n_envs * self.n_steps
@@ -388,7 +395,7 @@ def make_runner(args: Args) -> Runner:
                     obs=env.observation(), done=torch.zeros(N, device=device),
                     t=torch.zeros(1, dtype=torch.int64, device=device),
                     episodes=torch.zeros(3, dtype=torch.float64, device=device))
-    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
     autocast = (partial(torch.autocast, "cuda", dtype=torch.bfloat16, cache_enabled=False)
                 if bf16 else contextlib.nullcontext)  # no bf16 GPU: fp32 (chapter 08: fp16)
     policy = torch.compile(agent, fullgraph=True) if args.compile else agent

@@ -17,7 +17,7 @@ from labkit.ppo import (
     set_lr,
 )
 from labkit.syncmeter import SyncMeter
-from labkit.update import Adam, FusedAdam, amp, autocast_for, fp32
+from labkit.update import Adam, FusedAdam, Precision, amp, fp32
 
 CPU = torch.device("cpu")
 
@@ -254,8 +254,9 @@ def test_optimizer_and_precision_components():
     assert not plain.defaults["fused"] and isinstance(plain.param_groups[0]["lr"], float)
     assert FusedAdam.clip_grad is not Adam.clip_grad
     assert fp32(CPU) == amp(CPU) == "fp32"  # no bf16 autocast on the CPU
+    assert fp32(CPU).scaler(CPU) is None and Precision("fp16").scaler(CPU) is not None
     with pytest.raises(ValueError, match="precision must be one of"):
-        autocast_for("fp8", CPU)
+        Precision("fp8")
 
 
 @pytest.mark.parametrize("field,value", [

@@ -203,6 +203,22 @@ def test_a_second_ctrl_c_during_the_save_does_not_lose_it(tmp_path):
     assert f"state after iteration {iteration}" in err and iteration >= 1
 
 
+def test_a_stop_during_a_periodic_save_stops_training_after_it(tmp_path):
+    out = tmp_path / "r"
+    marker = tmp_path / "saving"
+    prefix = ("import time, pathlib, labkit.checkpoint as c\n_save = c.save\n"
+              "def slow_save(path, payload):\n"
+              f"    pathlib.Path({str(marker)!r}).touch()\n"
+              "    time.sleep(1.5)\n    return _save(path, payload)\nc.save = slow_save")
+    proc = start_training(out, "--checkpoint-every", "1", script_prefix=prefix)
+    wait_for(marker.exists, what="the first periodic save")
+    proc.send_signal(signal.SIGTERM)  # while saving iteration 1
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    iteration = checkpoint.load(out / "checkpoint.pt")["state"]["iteration"]
+    assert iteration == 1 and metrics_lines(out) == 1  # it did not train on
+
+
 # ---------------------------------------------------------------- 5. one run per folder
 
 
