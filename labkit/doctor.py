@@ -1,39 +1,37 @@
 """``labkit doctor``: run a few iterations under every meter labkit has and report regressions.
 
-``diagnose(stage_or_pipeline)`` warms the pipeline up off the clock (``labkit.capture.warmup``),
-then runs:
+``diagnose(stage_or_pipeline)`` warms the pipeline up off the clock, then runs ``iterations``
+timed iterations with its phase clock (where the time went: each finding's estimated cost);
+one under the sync meter with call sites and ``torch.profiler`` (host reads by ``file:line``,
+op counts per rollout step and per update); and one eagerly (``force_eager``, so compiled code
+is seen too) under a ``TorchFunctionMode`` that watches tensor factories, host-to-device
+copies, clones and the model's layers, by call site. Between iterations it snapshots memory
+(live tensors, the tensors each component holds, RSS, CUDA memory); around them it reads
+dynamo's counters (graphs compiled after warmup, graph breaks, with dynamo's reasons).
 
-1. ``iterations`` timed iterations with the pipeline's phase clock (``PhaseClock``): the
-   iteration time and where it went, which gives each finding its estimated cost;
-2. one iteration under the sync meter with call sites (every host read, by ``file:line``) and
-   ``torch.profiler`` (op counts per rollout step and per update);
-3. one iteration eagerly (``torch.compiler.set_stance("force_eager")``, so compiled code is
-   seen too) under a ``TorchFunctionMode`` that watches tensor factories, host-to-device
-   copies, clones and the model's layers, by call site.
-
-Between iterations it takes memory snapshots (live tensors via ``gc``, the tensors each
-component holds, process RSS, CUDA memory), and around them dynamo's counters (new graphs
-compiled after warmup, graph breaks, with dynamo's reasons).
+A stage with CUDA graphs (``labkit.executors.Graphed``) is diagnosed :func:`without_graphs`,
+and the report's first line says so: a graph replays exactly the ops of the eager step it
+captured but hides them from the profiler, and a host read inside it fails the capture.
 
 Findings are judged against what the stage is meant to do, never against zero:
 
-* ``host_read``: a read of tensor data on the host. A sync the code marks as deliberate with
-  a comment (``# ... deliberate ...``) and that runs at most once per iteration is accepted
-  (the device metrics' one ``.tolist()`` per update); everything else is a finding, grouped by
-  the component it comes from.
-* ``cpu_allocation``: a tensor factory called from labkit or user code without ``device=``
-  (on a CPU run: it would be a CPU tensor on a GPU) or producing a CPU tensor on a CUDA run
-  (pinned staging buffers excepted), and on CUDA every host-to-device copy.
-* ``memory_growth``: tensors that a component holds, or that are alive at all, growing at
-  every iteration.
-* ``excess_ops``: more clones, or more model work (convolutions, matmuls), per step or per
-  update than the clean ladder stage of the same index runs at the same N and T.
+* ``host_read``: a read of tensor data on the host, by component. A read on a line marked
+  ``# ... deliberate ...`` that runs at most once per iteration is accepted (the device
+  metrics' one ``.tolist()`` per update).
+* ``cpu_allocation``: a tensor factory in labkit or user code without ``device=`` (on a CPU
+  run: a CPU tensor on a GPU) or making a CPU tensor on a CUDA run (pinned buffers excepted),
+  and on CUDA every host-to-device copy.
+* ``memory_growth``: tensors a component holds, or alive at all, growing every iteration.
+* ``excess_ops``: more clones or model work (convolutions, matmuls) per step or per update
+  than the clean ladder stage of the same index runs at the same N and T.
 * ``recompile`` / ``graph_break``: graphs compiled after warmup, graph breaks, or a compiled
   step that fails to compile (``fullgraph=True`` turns a graph break into an error).
 * ``precision``: fp32 where the clean stage of the same index uses bf16 or fp16 on this device.
+* ``error``: anything else the stage raised under the doctor (a CUDA graph capture error,
+  say), with the labkit-or-user frames it came through; the rest is not measured.
 
-Each finding has an ``evidence`` dict, a ``cost`` (the time of the phases its component runs
-in, per iteration: an upper bound) and the ``chapter`` whose notebook teaches the fix.
+Each finding has ``evidence``, a ``cost`` (the time of the phases its component runs in, per
+iteration: an upper bound) and the ``chapter`` whose notebook teaches the fix.
 """
 from __future__ import annotations
 
@@ -41,14 +39,14 @@ import argparse
 import gc
 import inspect
 import json
-import linecache
 import os
 import re
 import statistics
 import sys
+import traceback
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -58,12 +56,15 @@ from .bench import _timed_iteration
 from .capture import warmup
 from .config import RunConfig
 from .device import resolve_device, synchronize
-from .profiling import profile_calls
+from .distributed import SINGLE
+from .executors import Graphed
+from .profiling import op_counts, profile_calls
+from .show import parse_site, source_line
 from .stages import STAGES, Pipeline, Stage, get_stage
 from .syncmeter import SyncMeter, _short, call_site
 
 KINDS = ("host_read", "cpu_allocation", "memory_growth", "excess_ops", "recompile",
-         "graph_break", "precision")
+         "graph_break", "precision", "error")
 
 #: The sizes the doctor runs at unless given a RunConfig: small, it only counts.
 DOCTOR_RUN = dict(n_envs=16, n_steps=16)
@@ -75,17 +76,8 @@ _COMPONENT_FIX = {
     "ForagePyList": ("02_vectorize_with_numpy", "vectorized envs"),
     "HostBatchedCollector": ("03_tensors_on_the_device",
                              "keep the env on the device: no per-step transfers"),
-    "ForageTorchLoop": ("04_batch_everything",
-                        "one vectorized env step (torch.where, gathers) instead of per-env "
-                        "Python conditionals on device tensors"),
-    "SyncLogger": ("05_log_off_the_hot_path",
-                   "log device tensors as they are; a background thread reads them "
-                   "(AsyncLogger)"),
-    "EagerEpisodeStats": ("07_metrics_on_the_device",
-                          "aggregate episode statistics on the device, read once per update "
-                          "(DeviceEpisodeStats)"),
-    "Adam": ("08_fused_optimizers_and_amp",
-             "Adam(fused=True) with a device-tensor LR and a sync-free grad clip (FusedAdam)"),
+    "ForageTorchLoop": ("04_batch_everything", "one vectorized env step (torch.where, gathers) "
+                        "instead of per-env Python conditionals on device tensors"),
 }
 _SLOT_FIX = {
     "env": ("04_batch_everything", "a vectorized env step on the device, no per-env Python"),
@@ -96,7 +88,8 @@ _SLOT_FIX = {
                 "fixed-size accumulators on the device, read once per update "
                 "(DeviceEpisodeStats)"),
     "optimizer": ("08_fused_optimizers_and_amp",
-                  "Adam(fused=True) with a device-tensor LR and a sync-free grad clip"),
+                  "Adam(fused=True) with a device-tensor LR and a sync-free grad clip "
+                  "(FusedAdam)"),
     "precision": ("08_fused_optimizers_and_amp",
                   "bf16 autocast where the device has it (labkit.update.amp)"),
     "model": ("06_compile_and_warm_up",
@@ -113,6 +106,11 @@ _FINITE_CHECK = ("10_the_regression_hunt",
 _COMPILE_FIX = ("06_compile_and_warm_up",
                 "no Python branches on tensors or on changing Python values in compiled code: "
                 "give each variant one interface (labkit.policy's value heads)")
+_CAPTURE_FIX = ("09_cuda_graphs",
+                "a captured step must not read the host, make CPU tensors or run an unfused "
+                "optimizer: diagnose the stage without graphs (without_graphs) to find them")
+_ERROR_FIX = ("00_measure_first", "fix the error at the last frame of user_code, then diagnose "
+                                  "again")
 _CPU_ALLOC_FIX = ("03_tensors_on_the_device",
                   "create tensors on the device: torch.zeros(..., device=x.device), or "
                   "zeros_like / new_zeros of a device tensor, once, outside the loop")
@@ -120,6 +118,7 @@ _COPIES_FIX = "update state in place; clone only what a later in-place write wou
 _MODEL_WORK_FIX = ("00_measure_first",
                    "compute shared work once and reuse it (the reference Agent runs its body "
                    "once for both heads); count model ops per step with the profiler")
+_NO_COST = {"phases": [], "ms_per_iteration": None, "share": None}
 
 #: Which phases of the pipeline's clock a component's work lands in.
 _SLOT_PHASES = {
@@ -142,8 +141,6 @@ _LAYERS = {"torch.conv2d", "torch.nn.functional.conv2d", "torch._C._nn.linear",
 _COPY_OPS = ("aten::clone",)
 _MODEL_OPS = ("aten::convolution", "aten::addmm", "aten::mm", "aten::bmm")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SITE = re.compile(r"^(?P<file>.+?):(?P<line>\d+) \((?P<func>[^)]*)\)(?: via (?P<via>.+))?$")
 _USER_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 
 
@@ -162,14 +159,14 @@ class Finding:
     chapter: str
     fix: str
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    to_dict = asdict
 
 
 @dataclass
 class Report:
     """What ``diagnose`` found on one pipeline. ``format()`` is for people, ``to_dict()`` for
-    programs; ``kinds`` lists the finding kinds."""
+    programs; ``kinds`` lists the finding kinds. ``graphs_off``: the stage's CUDA graphs were
+    replaced by the eager steps they replay (:func:`without_graphs`)."""
 
     stage: str
     device: str
@@ -177,6 +174,7 @@ class Report:
     n_steps: int
     iterations: int
     status: str = "ok"
+    graphs_off: bool = False
     findings: list[Finding] = field(default_factory=list)
     iteration_s: float | None = None
     phase_ms: dict = field(default_factory=dict)
@@ -188,17 +186,14 @@ class Report:
     def kinds(self) -> list[str]:
         return sorted({f.kind for f in self.findings}, key=KINDS.index)
 
-    def to_dict(self) -> dict:
-        return {"stage": self.stage, "device": self.device, "n_envs": self.n_envs,
-                "n_steps": self.n_steps, "iterations": self.iterations, "status": self.status,
-                "iteration_s": self.iteration_s, "phase_ms": self.phase_ms,
-                "host_reads": self.host_reads, "memory": self.memory, "notes": self.notes,
-                "findings": [f.to_dict() for f in self.findings]}
+    to_dict = asdict
 
     def format(self) -> str:
         head = f"labkit doctor: {self.stage} on {self.device}, N={self.n_envs} x T={self.n_steps}"
         if self.status != "ok":
             return f"{head}: {self.status}"
+        if self.graphs_off:
+            head += ", without its CUDA graphs (each replays the eager step run here)"
         lines = [head + (f", {self.iterations} timed iterations (median "
                          f"{1e3 * self.iteration_s:.1f} ms)" if self.iteration_s else "")]
         reads = self.host_reads
@@ -215,8 +210,7 @@ class Report:
         lines.append(f"{n} finding{'s' if n > 1 else ''}:")
         for i, f in enumerate(self.findings, 1):
             lines.append(f"\n{i}. [{f.kind}] {f.where}: {f.summary}")
-            for line in _evidence_lines(f):
-                lines.append(f"     {line}")
+            lines += [f"     {line}" for line in _evidence_lines(f)]
             if f.cost.get("ms_per_iteration") is not None:
                 lines.append(f"   cost: up to {f.cost['ms_per_iteration']:.1f} ms per iteration "
                              f"({'+'.join(f.cost['phases'])}), "
@@ -233,11 +227,13 @@ def _evidence_lines(f: Finding) -> list[str]:
     lines = [f"{op}: {n['this stage']:g} vs {n['clean stage']:g} in the clean stage"
              for op, n in ev.get("ops", {}).items()]
     if "sites" in ev:
-        return lines + [f"{_rate(s)}  {s['site']}" for s in ev["sites"][:6]]
+        return lines + [f"{_rate(s['per_step'], s['per_update'])}  {s['site']}"
+                        for s in ev["sites"][:6]]
     if "reasons" in ev:
         return ev["reasons"][:4]
     if "user_code" in ev:
-        return [ev["explanation"], "while tracing " + " -> ".join(ev["user_code"])]
+        return [ev["explanation"], ("in " if f.kind == "error" else "while tracing ")
+                + " -> ".join(ev["user_code"])]
     if "held_tensors" in ev:
         return [f"tensors held by `{ev['attribute']}` at each iteration boundary: "
                 + " -> ".join(map(str, ev["held_tensors"])),
@@ -246,20 +242,12 @@ def _evidence_lines(f: Finding) -> list[str]:
     return [f"{k}: {v}" for k, v in ev.items()]
 
 
-def _rate(s: dict) -> str:
-    parts = []
-    if s.get("per_step"):
-        parts.append(f"{s['per_step']:g} per step")
-    if s.get("per_update"):
-        parts.append(f"{s['per_update']:g} per update")
-    return ", ".join(parts) or "0"
+def _rate(per_step: float, per_update: float) -> str:
+    return ", ".join(x for x in (f"{per_step:g} per step" if per_step else "",
+                                 f"{per_update:g} per update" if per_update else "") if x) or "0"
 
 
 # ---------------------------------------------------------------------------- attribution
-
-
-def _name(part: Any) -> str:
-    return getattr(part, "__name__", None) or type(part).__name__
 
 
 def _classes(part: Any) -> list:
@@ -308,38 +296,32 @@ class _Parts:
             return next(iter(self.files[file]))
         return _MODULE_SLOT.get(file, "user code")
 
+    def site_slot(self, site: str) -> str:
+        file, line, _, via = parse_site(site) or (site, 0, "", None)
+        return self.slot_of(file, line, via)
+
     def describe(self, slot: str) -> str:
         if slot in self.parts:
             part = self.parts[slot]
-            return f"the {slot} ({_name(part)})"
+            return f"the {slot} ({getattr(part, '__name__', None) or type(part).__name__})"
         return "the pipeline loop" if slot == "pipeline" else "user code"
 
     def fix(self, slot: str) -> tuple[str, str]:
-        if slot in self.parts:
-            for cls in _classes(self.parts[slot]):
-                if cls.__name__ in _COMPONENT_FIX:
-                    return _COMPONENT_FIX[cls.__name__]
+        for cls in _classes(self.parts[slot]) if slot in self.parts else ():
+            if cls.__name__ in _COMPONENT_FIX:
+                return _COMPONENT_FIX[cls.__name__]
         return _SLOT_FIX[slot]
 
 
-def _parse_site(site: str) -> tuple[str, int, str, str | None]:
-    m = _SITE.match(site)
-    if not m:
-        return site, 0, "", None
-    return m["file"], int(m["line"]), m["func"], m["via"]
-
-
-def _source_line(short: str, line: int) -> str:
-    for path in (short, os.path.join(_ROOT, short), *(os.path.join(p, short) for p in sys.path)):
-        if os.path.isfile(path):
-            return linecache.getline(path, line)
-    return ""
+def _site_text(site: str) -> str:
+    parsed = parse_site(site)
+    return source_line(*parsed[:2]) if parsed else ""
 
 
 def _is_deliberate(site: str) -> bool:
-    file, line, _, via = _parse_site(site)
-    text = _source_line(file, line)
-    return via is None and "#" in text and "deliberate" in text.split("#", 1)[1].lower()
+    """Made by the code itself (not ``via`` a torch frame), on a line whose comment says so."""
+    text = _site_text(site)
+    return " via " not in site and "#" in text and "deliberate" in text.split("#", 1)[1].lower()
 
 
 def _cost(slot: str, phase_ms: dict, iteration_ms: float | None) -> dict:
@@ -370,8 +352,7 @@ class _Watch(TorchFunctionMode):
         if name in _FACTORIES:
             self._factory(name, args, kwargs, out)
         elif name in _MOVES and self.cuda:
-            src = args[1] if name == "torch.Tensor.copy_" else args[0]
-            dst = args[0] if name == "torch.Tensor.copy_" else out
+            src, dst = (args[1], args[0]) if name == "torch.Tensor.copy_" else (args[0], out)
             if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) \
                     and src.device.type == "cpu" and dst.device.type == "cuda":
                 self.counts["host_to_device"][call_site(1)] += 1
@@ -410,25 +391,6 @@ def _watched(pipe: Pipeline) -> tuple[dict, dict]:
     return w_roll.counts, w_learn.counts
 
 
-def _op_counts(prof: Any) -> Counter:
-    """Calls per op, like ``labkit.profiling.op_counts`` but read from the raw events
-    (``key_averages`` builds a tree of every event first: seconds for a whole iteration). An
-    op nested in a same-named event (its dispatch to an overload) is one call, not two."""
-    spans: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
-    for e in prof.profiler.kineto_results.events():
-        name = e.name()
-        if name.startswith("aten::"):
-            spans[(name, e.start_thread_id())].append((e.start_ns(), e.end_ns()))
-    counts: Counter = Counter()
-    for (name, _), found in spans.items():
-        end = -1
-        for start, stop in sorted(found):
-            if start >= end:
-                counts[name] += 1
-            end = max(end, stop)
-    return counts
-
-
 def _metered(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter, Counter, Counter]:
     """One iteration under the sync meter (with call sites) and the profiler."""
     box: list = []
@@ -436,7 +398,7 @@ def _metered(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter, Counter, Counter]:
         p_roll = profile_calls(lambda: box.append(pipe.rollout()), pipe.device)
     with SyncMeter(call_sites=True) as m_learn:
         p_learn = profile_calls(lambda: pipe.learn(box.pop()), pipe.device)
-    return m_roll, m_learn, _op_counts(p_roll), _op_counts(p_learn)
+    return m_roll, m_learn, op_counts(p_roll), op_counts(p_learn)
 
 
 _CONTAINERS = (list, tuple, dict, deque, set)
@@ -475,12 +437,9 @@ def _memory(pipe: Pipeline) -> dict:
     parts = {"env": pipe.collector.env, "collector": pipe.collector, "metrics": pipe.metrics,
              "logger": pipe.logger, "model": pipe.agent}
     skip = {id(p) for p in parts.values()} | {id(pipe.collector.clock)}
-    held = {}
-    for slot, obj in parts.items():
-        for attr, value in vars(obj).items():
-            if id(value) in skip or attr.startswith("_modules"):
-                continue
-            held[f"{slot}.{attr}"] = _held(value, seen=set(skip))
+    held = {f"{slot}.{attr}": _held(value, seen=set(skip))
+            for slot, obj in parts.items() for attr, value in vars(obj).items()
+            if id(value) not in skip and not attr.startswith("_modules")}
     snap = {"live_tensors": live, "held": held, "rss_mb": _rss_mb()}
     if pipe.device.type == "cuda":
         snap["cuda_mb"] = torch.cuda.memory_allocated(pipe.device) / 2**20
@@ -533,69 +492,57 @@ def _group_sites(sites_roll: Counter, sites_learn: Counter, n_steps: int, parts:
         if accept(site, r + u):
             accepted[site] = r + u
             continue
-        file, line, _, via = _parse_site(site)
-        groups[parts.slot_of(file, line, via)].append(
+        groups[parts.site_slot(site)].append(
             {"site": site, "per_step": round(r / n_steps, 3), "per_update": u})
     for rows in groups.values():
         rows.sort(key=lambda s: -(s["per_step"] * n_steps + s["per_update"]))
     return groups, accepted
 
 
-def _host_read_findings(m_roll: SyncMeter, m_learn: SyncMeter, n_steps: int, n_envs: int,
-                        parts: _Parts, phase_ms: dict, it_ms: float | None
-                        ) -> tuple[list[Finding], dict]:
-    groups, accepted = _group_sites(
-        m_roll.sites, m_learn.sites, n_steps, parts,
-        accept=lambda site, n: n <= 1 and _is_deliberate(site))
-    findings = []
-    for slot, rows in groups.items():
-        per_step = round(sum(r["per_step"] for r in rows), 3)
-        per_update = sum(r["per_update"] for r in rows)
-        chapter, fix = parts.fix(slot)
-        if any(re.search(r"\bis(nan|inf|finite)\b", _source_line(*_parse_site(r["site"])[:2]))
-               for r in rows):
-            chapter, fix = _FINITE_CHECK
-        what = []
-        if per_step:
-            what.append(f"{per_step:g} host read{'s' if per_step != 1 else ''} per rollout "
-                        "step" + (" (a per-element loop: N or more)" if per_step >= n_envs
-                                  else ""))
-        if per_update:
-            what.append(f"{per_update} per update" if per_step else
-                        f"{per_update} host read{'s' if per_update != 1 else ''} per update")
-        findings.append(Finding(
-            "host_read", parts.describe(slot), ", ".join(what),
-            {"per_step": per_step, "per_update": per_update, "sites": rows},
-            _cost(slot, phase_ms, it_ms), chapter, fix))
-    summary = {"per_step": round(m_roll.host_reads / n_steps, 3),
-               "per_update": m_learn.host_reads,
-               "by_kind": dict(m_roll.counts + m_learn.counts), "accepted": accepted}
-    return findings, summary
+_ALLOCATIONS = {"no_device": "tensor factory without device=",
+                "cpu_tensor": "CPU tensor made on a CUDA run",
+                "host_to_device": "host-to-device copy"}
 
 
-def _allocation_findings(w_roll: dict, w_learn: dict, n_steps: int, parts: _Parts,
-                         phase_ms: dict, it_ms: float | None) -> list[Finding]:
-    labels = {"no_device": "tensor factory without device=",
-              "cpu_tensor": "CPU tensor made on a CUDA run",
-              "host_to_device": "host-to-device copy"}
+def _site_findings(kind: str, sites: dict[str, tuple[Counter, Counter]], cfg: RunConfig,
+                   parts: _Parts, phase_ms: dict, it_ms: float | None,
+                   accept: Callable[[str, int], bool] = lambda site, n: False
+                   ) -> tuple[list[Finding], dict]:
+    """One finding per slot of the call sites in ``sites`` ({what: (rollout sites, learn
+    sites)}; ``what`` labels each row when there are several), and the sites accepted."""
     by_slot: dict[str, list[dict]] = defaultdict(list)
-    for key, label in labels.items():
-        groups, _ = _group_sites(w_roll.get(key, Counter()), w_learn.get(key, Counter()),
-                                 n_steps, parts)
+    accepted = {}
+    for what, (roll, learn) in sites.items():
+        groups, ok = _group_sites(roll, learn, cfg.n_steps, parts, accept)
+        accepted.update(ok)
         for slot, rows in groups.items():
-            by_slot[slot] += [{**row, "what": label} for row in rows]
+            by_slot[slot] += [{**row, "what": what} for row in rows] if len(sites) > 1 else rows
     findings = []
     for slot, rows in by_slot.items():
         per_step = round(sum(r["per_step"] for r in rows), 3)
         per_update = sum(r["per_update"] for r in rows)
-        kinds = sorted({r["what"] for r in rows})
-        rate = ", ".join(x for x in (f"{per_step:g} per step" if per_step else "",
-                                     f"{per_update} per update" if per_update else "") if x)
+        if kind == "host_read":
+            chapter, fix = parts.fix(slot)
+            if any(re.search(r"\bis(nan|inf|finite)\b", _site_text(r["site"])) for r in rows):
+                chapter, fix = _FINITE_CHECK
+            what = []
+            if per_step:
+                what.append(f"{per_step:g} host read{'s' if per_step != 1 else ''} per rollout "
+                            "step" + (" (a per-element loop: N or more)"
+                                      if per_step >= cfg.n_envs else ""))
+            if per_update:
+                what.append(f"{per_update} per update" if per_step else
+                            f"{per_update} host read{'s' if per_update != 1 else ''} per update")
+            summary = ", ".join(what)
+        else:
+            chapter, fix = _CPU_ALLOC_FIX
+            summary = f"{' and '.join(sorted({r['what'] for r in rows}))}: " \
+                      f"{_rate(per_step, per_update)}"
         findings.append(Finding(
-            "cpu_allocation", parts.describe(slot), f"{' and '.join(kinds)}: {rate}",
+            kind, parts.describe(slot), summary,
             {"per_step": per_step, "per_update": per_update, "sites": rows},
-            _cost(slot, phase_ms, it_ms), *_CPU_ALLOC_FIX))
-    return findings
+            _cost(slot, phase_ms, it_ms), chapter, fix))
+    return findings, accepted
 
 
 def _memory_findings(snaps: list[dict], parts: _Parts, phase_ms: dict, it_ms: float | None
@@ -603,14 +550,13 @@ def _memory_findings(snaps: list[dict], parts: _Parts, phase_ms: dict, it_ms: fl
     if len(snaps) < 3:
         return []
     findings = []
-    attributed = False
+    rss = [round(s["rss_mb"], 1) for s in snaps if s["rss_mb"] is not None]
     for key in snaps[0]["held"]:
         counts = [s["held"].get(key, (0, 0))[0] for s in snaps]
         sizes = [s["held"].get(key, (0, 0))[1] for s in snaps]
         deltas = [b - a for a, b in zip(counts, counts[1:])]
         if min(deltas) <= 0:
             continue
-        attributed = True
         slot, attr = key.split(".", 1)
         chapter, fix = parts.fix(slot)
         per_it = statistics.median(deltas)
@@ -621,20 +567,17 @@ def _memory_findings(snaps: list[dict], parts: _Parts, phase_ms: dict, it_ms: fl
             "iteration, without bound",
             {"attribute": attr, "tensors_per_iteration": per_it,
              "bytes_per_iteration": bytes_it, "held_tensors": counts,
-             "live_tensors": [s["live_tensors"] for s in snaps],
-             "rss_mb": [round(s["rss_mb"], 1) for s in snaps if s["rss_mb"] is not None]},
+             "live_tensors": [s["live_tensors"] for s in snaps], "rss_mb": rss},
             _cost(slot, phase_ms, it_ms), chapter,
             fix + "; keep a bounded window (a fixed-size buffer, deque(maxlen=...)) or "
                   "aggregates, never every step"))
     live = [s["live_tensors"] for s in snaps]
-    deltas = [b - a for a, b in zip(live, live[1:])]
-    if not attributed and min(deltas) > 0:
+    if not findings and min(b - a for a, b in zip(live, live[1:])) > 0:
         findings.append(Finding(
             "memory_growth", "an unknown owner",
-            f"{statistics.median(deltas):g} more live tensors after every iteration",
-            {"live_tensors": live,
-             "rss_mb": [round(s["rss_mb"], 1) for s in snaps if s["rss_mb"] is not None]},
-            {"phases": [], "ms_per_iteration": None, "share": None}, "00_measure_first",
+            f"{statistics.median(b - a for a, b in zip(live, live[1:])):g} more live tensors "
+            "after every iteration", {"live_tensors": live, "rss_mb": rss}, _NO_COST,
+            "00_measure_first",
             "find who keeps them: gc.get_referrers on a new tensor; bound every buffer"))
     return findings
 
@@ -678,15 +621,9 @@ def _excess_findings(ops: tuple[Counter, Counter], base: tuple[Counter, Counter]
 _BASELINES: dict[tuple, tuple[Counter, Counter]] = {}
 
 
-def _clean_twin(stage: Stage) -> Stage:
-    """The clean ladder stage a variant is judged against: the one with its index."""
-    return STAGES[stage.index]
-
-
-def _baseline_ops(stage: Stage, cfg: RunConfig, device: torch.device) -> tuple[Counter, Counter]:
-    """Op counts of one rollout and one learn of the clean ladder stage ``stage.index`` at the
-    same sizes (cached per process)."""
-    twin = _clean_twin(stage)
+def _baseline_ops(twin: Stage, cfg: RunConfig, device: torch.device) -> tuple[Counter, Counter]:
+    """Op counts of one rollout and one learn of the clean stage ``twin`` at the same sizes
+    (cached per process)."""
     key = (twin.name, str(device), repr(cfg.to_dict()))
     if key not in _BASELINES:
         with Pipeline(twin, cfg, device) as clean:
@@ -696,31 +633,47 @@ def _baseline_ops(stage: Stage, cfg: RunConfig, device: torch.device) -> tuple[C
     return _BASELINES[key]
 
 
-def _compile_error_finding(err: Exception, parts: _Parts, phase: str) -> Finding:
-    """A compiled step that raised while dynamo traced it (``fullgraph=True`` makes a graph
-    break, or hitting the recompile limit, an error): the finding, with dynamo's reason and
-    the user code it was tracing."""
+def _error_finding(err: Exception, parts: _Parts, phase: str) -> Finding:
+    """The stage raised while the doctor ran it: a compiled step that dynamo could not trace
+    (``fullgraph=True`` makes a graph break, or hitting the recompile limit, an error; the
+    reason and the user code it was tracing are in dynamo's message), or anything else (a
+    CUDA graph capture error, say: the labkit-or-user frames of the traceback)."""
+    from torch._dynamo.exc import TorchDynamoException
+
     text = str(err)
-    stack = text.split("from user code:", 1)[-1]
-    frames = [f"{_short(m['file'])}:{m['line']} ({m['func']})"
-              for m in _USER_FRAME.finditer(stack) if not m["file"].startswith(_TORCH_DIR)]
-    slot = "update"
-    if frames:
-        file, line, _, _ = _parse_site(frames[-1])
-        slot = parts.slot_of(file, line, None)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     first = lines[0] if lines else type(err).__name__
     explanation = next((ln.split(":", 1)[1].strip() for ln in lines
                         if ln.startswith("Explanation:")), "")
-    kind = "recompile" if "recompile" in type(err).__name__.lower() else "graph_break"
-    return Finding(
-        kind, parts.describe(slot), f"the compiled code raised in {phase}: {first}",
-        {"error": type(err).__name__, "message": first, "explanation": explanation,
-         "user_code": frames},
-        {"phases": [], "ms_per_iteration": None, "share": None}, *_COMPILE_FIX)
+    if isinstance(err, TorchDynamoException):
+        found = [(m["file"], m["line"], m["func"])
+                 for m in _USER_FRAME.finditer(text.split("from user code:", 1)[-1])]
+        kind = "recompile" if "recompile" in type(err).__name__.lower() else "graph_break"
+        summary, fix = f"the compiled code raised in {phase}: {first}", _COMPILE_FIX
+    else:
+        found = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(err.__traceback__)
+                 if f.filename != __file__]
+        kind, summary = "error", f"the stage raised in {phase}: {type(err).__name__}: {first}"
+        fix = _CAPTURE_FIX if "captur" in text.lower() else _ERROR_FIX
+        explanation = explanation or f"{type(err).__name__}: {first}"
+    frames = [f"{_short(file)}:{line} ({func})" for file, line, func in found
+              if not file.startswith(_TORCH_DIR)]
+    slot = parts.site_slot(frames[-1]) if frames else "update"
+    return Finding(kind, parts.describe(slot), summary,
+                   {"error": type(err).__name__, "message": first, "explanation": explanation,
+                    "user_code": frames}, _NO_COST, *fix)
 
 
 # ---------------------------------------------------------------------------- diagnose
+
+
+def without_graphs(stage: Stage) -> Stage:
+    """``stage`` with each :class:`~labkit.executors.Graphed` executor replaced by its ``base``
+    (``stage`` itself if it has none): a CUDA graph replays exactly the ops of the eager step
+    it captured, so this runs the same work, with every op, read and tensor visible."""
+    swaps = {slot: ex.base for slot, ex in (("rollout", stage.rollout), ("update", stage.update))
+             if isinstance(ex, Graphed)}
+    return replace(stage, **swaps) if swaps else stage
 
 
 def diagnose(target: Pipeline | Stage | int | str, iterations: int = 2,
@@ -728,31 +681,35 @@ def diagnose(target: Pipeline | Stage | int | str, iterations: int = 2,
              baseline: bool = True) -> Report:
     """Diagnose a pipeline, or a stage (built at ``cfg``, default N=16, T=16, on ``device``).
 
-    A pipeline is left in the state it had (its ``state_dict`` is restored). ``baseline``:
-    compare op counts with the clean ladder stage of the same index (built once per process
-    and size); without it there are no ``excess_ops`` findings."""
+    A pipeline is left in the state it had (its ``state_dict`` is restored); one that replays
+    CUDA graphs is diagnosed as a fresh pipeline :func:`without_graphs` that loads its state.
+    ``baseline``: compare op counts with the clean ladder stage of the same index (built once
+    per process and size); without it there are no ``excess_ops`` findings."""
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 2:
         raise ValueError(f"iterations must be an int >= 2, got {iterations!r}")
     if isinstance(target, Pipeline):
-        pipe, owned = target, False
-        stage, cfg, device = pipe.stage, pipe.cfg, pipe.device
+        stage, cfg, device = target.stage, target.cfg, target.device
     else:
-        stage = get_stage(target)
-        device = resolve_device(device)
+        stage, device = get_stage(target), resolve_device(device)
         cfg = cfg if cfg is not None else RunConfig(**DOCTOR_RUN)
-        owned = True
     report = Report(stage.name, str(device), cfg.n_envs, cfg.n_steps, iterations)
-    if owned:
-        reason = stage.skip_reason(device)
-        if reason:
-            report.status = f"skipped: {reason}"
-            return report
-        pipe = Pipeline(stage, cfg, device)
-    saved = None if owned else pipe.state_dict()
+    reason = None if isinstance(target, Pipeline) else stage.skip_reason(device)
+    if reason:
+        report.status = f"skipped: {reason}"
+        return report
+    eager = without_graphs(stage)
+    report.graphs_off = eager is not stage
+    if isinstance(target, Pipeline) and not report.graphs_off:
+        pipe, saved = target, target.state_dict()
+    else:
+        group = target.group if isinstance(target, Pipeline) else SINGLE
+        pipe, saved = Pipeline(eager, cfg, device, group=group), None
+        if isinstance(target, Pipeline):
+            pipe.load_state_dict(target.state_dict())
     try:
         _diagnose(pipe, report, iterations, baseline)
     finally:
-        if owned:
+        if saved is None:
             pipe.close()
         else:
             pipe.load_state_dict(saved)
@@ -782,10 +739,11 @@ def _diagnose(pipe: Pipeline, report: Report, iterations: int, baseline: bool) -
         graphs1, breaks1, _ = _dynamo_state()
         watch = _watched(pipe)
         snaps.append(_memory(pipe))
-    except TorchDynamoException as err:
-        report.findings.append(_compile_error_finding(err, parts, step))
-        report.notes.append(f"stopped in {step}: the stage's compiled code raised, so the "
-                            "rest could not be measured")
+    except Exception as err:  # a compile or capture error, or any other: a finding
+        report.findings.append(_error_finding(err, parts, step))
+        what = "compiled code" if isinstance(err, TorchDynamoException) else "code"
+        report.notes.append(f"stopped in {step}: the stage's {what} raised, so the rest could "
+                            "not be measured")
         return
 
     it_ms = 1e3 * statistics.median(times)
@@ -798,14 +756,20 @@ def _diagnose(pipe: Pipeline, report: Report, iterations: int, baseline: bool) -
     if device.type == "cuda":
         report.memory["cuda_mb"] = [round(s["cuda_mb"], 2) for s in snaps]
 
-    findings, report.host_reads = _host_read_findings(
-        m_roll, m_learn, n_steps, cfg.n_envs, parts, phase_ms, it_ms)
-    findings += _allocation_findings(*watch, n_steps, parts, phase_ms, it_ms)
+    findings, accepted = _site_findings(
+        "host_read", {"host read": (m_roll.sites, m_learn.sites)}, cfg, parts, phase_ms, it_ms,
+        accept=lambda site, n: n <= 1 and _is_deliberate(site))
+    report.host_reads = {"per_step": round(m_roll.host_reads / n_steps, 3),
+                         "per_update": m_learn.host_reads,
+                         "by_kind": dict(m_roll.counts + m_learn.counts), "accepted": accepted}
+    findings += _site_findings(
+        "cpu_allocation", {label: (watch[0].get(key, Counter()), watch[1].get(key, Counter()))
+                           for key, label in _ALLOCATIONS.items()},
+        cfg, parts, phase_ms, it_ms)[0]
     findings += _memory_findings(snaps, parts, phase_ms, it_ms)
-    twin = _clean_twin(pipe.stage)
+    twin = without_graphs(STAGES[pipe.stage.index])  # the clean stage, judged the same way
     if baseline:
-        base = (ops_roll, ops_learn) if pipe.stage == twin else \
-            _baseline_ops(pipe.stage, cfg, device)
+        base = (ops_roll, ops_learn) if pipe.stage == twin else _baseline_ops(twin, cfg, device)
         findings += _excess_findings((ops_roll, ops_learn), base, watch, cfg, parts,
                                      phase_ms, it_ms)
     new_graphs = graphs1 - graphs0
@@ -831,6 +795,7 @@ def _diagnose(pipe: Pipeline, report: Report, iterations: int, baseline: bool) -
             {"precision": pipe.precision, "clean_stage_precision": clean_precision,
              "device": str(device)},
             _cost("precision", phase_ms, it_ms), *_SLOT_FIX["precision"]))
+
     def order(f: Finding) -> tuple[int, float]:
         ev = f.evidence
         return KINDS.index(f.kind), -(ev.get("per_step", 0) * n_steps + ev.get("per_update", 0))
@@ -841,39 +806,21 @@ def _diagnose(pipe: Pipeline, report: Report, iterations: int, baseline: bool) -
 # ---------------------------------------------------------------------------- the CLI
 
 
-def _int_option(name: str, text: str | None, low: int) -> int | None:
-    if text is None:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < low:
-        raise ValueError(f"--{name} must be an integer >= {low}, got {text!r}")
-    return value
-
-
 def cmd_doctor(args: argparse.Namespace) -> int:
-    """Run ``diagnose`` for the CLI; 0 without findings, 1 with findings."""
+    """Run ``diagnose`` for ``python -m labkit doctor``; 0 without findings, 1 with findings."""
     from .plants import plant
 
-    stage = get_stage(args.stage)
-    if args.plant:
-        stage = plant(stage, args.plant)
-    sizes = {k: v for k, v in (("n_envs", _int_option("n-envs", args.n_envs, 1)),
-                               ("n_steps", _int_option("n-steps", args.n_steps, 1))) if v}
-    iterations = _int_option("iterations", args.iterations, 2) or 2
-    cfg = RunConfig(**{**DOCTOR_RUN, **sizes})
-    report = diagnose(stage, iterations=iterations, cfg=cfg, device=args.device)
-    if args.json:
-        print(json.dumps(report.to_dict()))
-    else:
-        print(report.format())
+    stage = plant(args.stage, args.plant) if args.plant else args.stage
+    sizes = {k: v for k, v in (("n_envs", args.n_envs), ("n_steps", args.n_steps)) if v}
+    report = diagnose(stage, iterations=args.iterations, cfg=RunConfig(**{**DOCTOR_RUN, **sizes}),
+                      device=args.device)
+    print(json.dumps(report.to_dict()) if args.json else report.format())
     return 1 if report.findings else 0
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``doctor`` on an ``argparse`` subparsers object (``labkit.cli``)."""
+    """Register ``doctor`` on ``labkit.cli``'s subparsers (usage errors: one line, exit 2)."""
+    from .cli import _int_at_least, _stage
     from .plants import PLANT_NAMES
 
     p = subparsers.add_parser(
@@ -882,39 +829,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "memory tracker and dynamo's counters; print what regressed and the "
                     "chapter with the fix. Exit 0 without findings, 1 with, 2 on a usage error.")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--stage", default="fused_amp", help="0-8 or a name (default: fused_amp)")
+    p.add_argument("--stage", type=_stage, default="fused_amp",
+                   help="0-8 or a name (default: fused_amp)")
     p.add_argument("--plant", default=None,
                    help=f"plant a regression: {', '.join(PLANT_NAMES)}")
-    p.add_argument("--n-envs", default=None, help=f"N (default: {DOCTOR_RUN['n_envs']})")
-    p.add_argument("--n-steps", default=None, help=f"T (default: {DOCTOR_RUN['n_steps']})")
-    p.add_argument("--iterations", default=None, help="timed iterations, >= 2 (default: 2)")
+    p.add_argument("--n-envs", type=_int_at_least(1), default=None,
+                   help=f"N (default: {DOCTOR_RUN['n_envs']})")
+    p.add_argument("--n-steps", type=_int_at_least(1), default=None,
+                   help=f"T (default: {DOCTOR_RUN['n_steps']})")
+    p.add_argument("--iterations", type=_int_at_least(2), default=2,
+                   help="timed iterations, >= 2 (default: 2)")
     p.add_argument("--json", action="store_true", help='print {"findings": [...], ...}')
     p.set_defaults(func=cmd_doctor)
     return p
-
-
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        raise _UsageError(message)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m labkit doctor ...`` without the word ``doctor``: for tests and scripts."""
-    parser = _Parser(prog="python -m labkit")
-    sub = parser.add_subparsers(dest="command")
-    add_parser(sub)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = parser.parse_args(["doctor", *argv])
-        return args.func(args)
-    except (_UsageError, ValueError, TypeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

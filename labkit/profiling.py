@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,8 +54,23 @@ def top_ops(prof: profile, device: torch.device, n: int = 10, per: int = 1) -> s
 
 
 def op_counts(prof: profile, prefix: str = "aten::") -> Counter:
-    """How many times each op ran (by name, e.g. ``aten::clone``)."""
-    return Counter({e.key: e.count for e in prof.key_averages() if e.key.startswith(prefix)})
+    """How many times each op was called (by name, e.g. ``aten::clone``), read from the raw
+    events (``key_averages()`` first builds a tree of every event: seconds for an iteration).
+    An op that dispatches to a same-named op (``aten::randperm`` to its ``out=`` overload) runs
+    inside it on the same thread and is one call, not two; calls of other names inside an op
+    (``aten::convolution`` runs ``aten::_convolution``) are counted under their own names."""
+    spans: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
+    for e in prof.profiler.kineto_results.events():
+        if e.name().startswith(prefix):
+            spans[(e.name(), e.start_thread_id())].append((e.start_ns(), e.end_ns()))
+    counts: Counter = Counter()
+    for (name, _), found in spans.items():
+        end = -1
+        for start, stop in sorted(found):
+            if start >= end:  # not inside the previous call of the same name
+                counts[name] += 1
+            end = max(end, stop)
+    return counts
 
 
 def trace_pipeline(pipeline, out_dir: str | os.PathLike, iterations: int = 1,

@@ -5,10 +5,17 @@ from __future__ import annotations
 import difflib
 import html
 import inspect
+import linecache
+import os
+import re
 from collections import Counter
 from typing import Any
 
 from .stages import Stage
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SITE = re.compile(r"(?P<file>.*):(?P<line>\d+) \((?P<func>.*?)\)(?: via (?P<via>.+))?")
+_CELL = re.compile(r"ipykernel_\d+[/\\]\d+\.py$|<ipython-input-")
 
 
 def _target(obj: Any) -> Any:
@@ -78,24 +85,38 @@ def reads_table(sites: Counter | dict, per: int = 1, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def parse_site(site: str) -> tuple[str, int, str, str | None] | None:
+    """``(file, line, function, via)`` of a sync meter's call site ``file:line (function)``
+    with an optional ``via torch_file:line``; None for anything else (``<unknown>``)."""
+    m = _SITE.fullmatch(site)
+    return (m["file"], int(m["line"]), m["func"], m["via"]) if m else None
+
+
+def source_line(path: str, line: int) -> str:
+    """The text of line ``line`` of ``path`` as a call site names it (absolute, relative to the
+    repository, or to a ``sys.path`` entry: ``torch/optim/adam.py``), stripped; "" if unknown."""
+    full = os.path.join(_ROOT, path)  # an absolute path (a notebook cell's too) stays as it is
+    return (linecache.getline(full, line) or linecache.getline(path, line)).strip()
+
+
+def _file(path: str) -> str:
+    """A call site's file, with a notebook cell's (``/tmp/ipykernel_123/456.py``) as ``<cell>``."""
+    return "<cell>" if _CELL.search(path) else path
+
+
 def group_sites(sites: Counter | dict, lines: bool = False) -> Counter:
     """Host reads by call site, named alike on every machine and run: a notebook cell's file
     (``/tmp/ipykernel_123/456.py``) becomes ``<cell>``, the ``via`` torch frame is dropped and,
     unless ``lines``, so is the line number (``labkit/rollout.py (step)``), so a count that a
     test compares survives edits elsewhere in the file."""
-    import re
-
     out: Counter = Counter()
     for site, count in sites.items():
-        where = site.split(" via ", 1)[0]
-        match = re.fullmatch(r"(.*):(\d+) \((.*)\)", where)
-        if match is None:
-            out[where] += count
+        parsed = parse_site(site)
+        if parsed is None:
+            out[site] += count
             continue
-        path, line, func = match.groups()
-        if re.search(r"ipykernel_\d+[/\\]\d+\.py$|<ipython-input-", path):
-            path = "<cell>"
-        out[f"{path}:{line} ({func})" if lines else f"{path} ({func})"] += count
+        path, line, func, _ = parsed
+        out[f"{_file(path)}:{line} ({func})" if lines else f"{_file(path)} ({func})"] += count
     return out
 
 
@@ -165,23 +186,14 @@ def reads_by_line(sites: Counter | dict) -> Counter:
     .sites``): ``labkit/envs/torch_loop.py (step): if cell != WALL:``. The line's text rather
     than its number, so a compared count reads well and survives edits elsewhere in the file;
     a notebook cell's file becomes ``<cell>``."""
-    import linecache
-    import os
-    import re
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out: Counter = Counter()
     for site, count in sites.items():
-        match = re.fullmatch(r"(.*):(\d+) \((.*)\)", site.split(" via ", 1)[0])
-        if match is None:
+        parsed = parse_site(site)
+        if parsed is None:
             out[site] += count
             continue
-        path, line, func = match.groups()
-        full = path if os.path.isabs(path) else os.path.join(root, path)
-        text = linecache.getline(full, int(line)).strip() or f"line {line}"
-        if re.search(r"ipykernel_\d+[/\\]\d+\.py$|<ipython-input-", path):
-            path = "<cell>"
-        out[f"{path} ({func}): {text}"] += count
+        path, line, func, _ = parsed
+        out[f"{_file(path)} ({func}): {source_line(path, line) or f'line {line}'}"] += count
     return out
 
 
@@ -189,11 +201,8 @@ def reads_by_file(sites: Counter | dict, per: int = 1) -> dict[str, float]:
     """Host reads (``SyncMeter(call_sites=True).sites``) by the file that made them, divided by
     ``per``: ``{"labkit/logging.py": 1.0, ...}``, most first. Line numbers, function names and
     the ``via`` torch frame are dropped, so a count that a notebook compares survives edits."""
-    import re
-
     out: Counter = Counter()
     for site, count in sites.items():
-        where = site.split(" via ", 1)[0]
-        match = re.fullmatch(r"(.*):\d+ \(.*\)", where)
-        out[match.group(1) if match else where] += count
+        parsed = parse_site(site)
+        out[parsed[0] if parsed else site] += count
     return {path: count / per for path, count in sorted(out.items(), key=lambda kv: -kv[1])}

@@ -8,9 +8,8 @@ import torch
 from labkit import debug
 from labkit.capture import warmup
 from labkit.config import RunConfig
-from labkit.doctor import _op_counts
 from labkit.plants import nan_observation
-from labkit.profiling import profile_calls
+from labkit.profiling import op_counts, profile_calls
 from labkit.stages import Pipeline
 from labkit.syncmeter import SyncMeter
 
@@ -33,7 +32,7 @@ def _measure(p: Pipeline, saved: dict) -> tuple[int, dict]:
     p.logger.flush()
     with SyncMeter() as meter:
         prof = profile_calls(lambda: (p.iteration(), p.logger.flush()), CPU)
-    return meter.host_reads, _op_counts(prof)
+    return meter.host_reads, op_counts(prof)
 
 
 def test_off_adds_no_host_read_and_no_kernel(pipe, monkeypatch):

@@ -1,15 +1,17 @@
 """labkit doctor: every planted regression is found, with its evidence and chapter; the clean
-final stage yields nothing; stage 0 yields its host reads; the CLI's exit codes and JSON."""
+final stage yields nothing; stage 0 yields its host reads; a graphed stage is diagnosed without
+its graphs; the CLI's exit codes and JSON."""
 import dataclasses
 import json
 
 import pytest
 import torch
 
-from labkit import plants
+from labkit import cli, plants
 from labkit.config import RunConfig
-from labkit.doctor import KINDS, Finding, diagnose, main
-from labkit.executors import Eager
+from labkit.doctor import KINDS, Finding, diagnose, without_graphs
+from labkit.envs import ForageTorch
+from labkit.executors import Compiled, Eager, Graphed
 from labkit.metrics import DeviceEpisodeStats
 from labkit.plants import PLANTS, plant
 from labkit.policy import Agent, ValueHead
@@ -213,6 +215,51 @@ def test_recompiles_after_warmup_are_found():
     assert f.chapter == "06_compile_and_warm_up"
 
 
+def test_a_graphed_stage_is_diagnosed_without_its_graphs():
+    graphed = get_stage("cuda_graphs")
+    if not torch.cuda.is_available():
+        assert diagnose(graphed, cfg=RUN, device=CPU).status == "skipped: needs CUDA"
+    eager = without_graphs(graphed)
+    assert (eager.rollout, eager.update) == (graphed.rollout.base, graphed.update.base) \
+        == (Compiled(), Compiled())
+    assert dataclasses.replace(eager, rollout=graphed.rollout, update=graphed.update) == graphed
+    assert without_graphs(get_stage("fused_amp")) is get_stage("fused_amp")
+    # The whole path on any device: graphs that need nothing, with a plant a replay would hide.
+    anywhere = dataclasses.replace(graphed, rollout=Graphed(Compiled(), requires=()),
+                                   update=Graphed(Compiled(), requires=()))
+    report = diagnose(plant(anywhere, "clone_overuse"), cfg=RUN, device=CPU)
+    assert report.graphs_off and "without its CUDA graphs" in report.format().splitlines()[0]
+    (f,) = report.findings
+    assert f.kind == "excess_ops" and f.where == "the env (CloningForage)"
+    assert f.evidence["ops"]["aten::clone per step (rollout)"]["clean stage"] == 0
+    # A built graphed pipeline: diagnosed as an eager copy, itself untouched. Unfused Adam's
+    # reads would fail the update's capture on a GPU; without graphs they are counted.
+    with Pipeline(plant(anywhere, "unfused_adam"), RUN, CPU) as p:
+        step = p.global_step
+        report = diagnose(p, baseline=False)
+        assert p.global_step == step and isinstance(p.stage.update, Graphed)
+    (f,) = report.findings
+    assert report.graphs_off and f.kind == "host_read" and f.evidence["per_update"] == 160
+
+
+class _FailingForage(ForageTorch):
+    def step(self, actions):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+
+def test_an_error_in_the_stage_is_a_finding_not_a_traceback():
+    stage = dataclasses.replace(get_stage("fused_amp"), name="failing", env=_FailingForage)
+    report = diagnose(stage, cfg=RUN, device=CPU, baseline=False)
+    (f,) = report.findings
+    assert f.kind == "error" and f.where == "the env (_FailingForage)"
+    assert f.summary == "the stage raised in the warmup: RuntimeError: CUDA error: operation " \
+        "not permitted when stream is capturing"
+    assert f.chapter == "09_cuda_graphs"
+    assert f.evidence["user_code"][-1].startswith("tests/test_doctor.py:")
+    assert report.notes == ["stopped in the warmup: the stage's code raised, so the rest could "
+                            "not be measured"]
+
+
 def test_plant_refuses_a_slot_it_is_not_a_variant_of():
     with pytest.raises(ValueError, match="plant must be one of"):
         plant("fused_amp", "warp_drive")
@@ -227,6 +274,14 @@ def test_plant_refuses_a_slot_it_is_not_a_variant_of():
 # ---------------------------------------------------------------- the CLI
 
 SMALL = ["--device", "cpu", "--n-envs", "8", "--n-steps", "8"]
+
+
+def main(argv: list[str]) -> int:
+    """``python -m labkit doctor ARGV``: its exit code (argparse's usage errors exit too)."""
+    try:
+        return cli.main(["doctor", *argv])
+    except SystemExit as exit:
+        return exit.code
 
 
 def test_cli_json_and_exit_codes(capsys):
@@ -260,8 +315,8 @@ def test_cli_skipped_plant_exits_0(capsys):
 @pytest.mark.parametrize("argv, needle", [
     (["--plant", "warp_drive"], "plant must be one of"),
     (["--stage", "99"], "stage must be one of"),
-    (["--iterations", "1"], "--iterations must be an integer >= 2"),
-    (["--n-envs", "many"], "--n-envs must be an integer >= 1"),
+    (["--iterations", "1"], "--iterations: expected an integer >= 2"),
+    (["--n-envs", "many"], "--n-envs: expected an integer >= 1"),
     (["--device", "tpu"], "device must be one of"),
     (["--stage", "3", "--plant", "cpu_tensor"], "variant of DeviceEpisodeStats"),
     (["--bogus"], "unrecognized arguments"),
