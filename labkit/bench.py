@@ -13,6 +13,7 @@ Nothing is extrapolated: every figure comes from iterations that ran.
 """
 from __future__ import annotations
 
+import gc
 import resource
 import signal
 import statistics
@@ -26,14 +27,19 @@ from .config import BenchConfig, check_memory
 from .device import run_metadata, synchronize
 from .policy import flops_per_sample
 from .signals import signum_of
-from .stages import STAGES, Pipeline, Stage, StageSkipped, get_stage
+from .stages import STAGES, Pipeline, Stage, get_stage
 from .syncmeter import SyncMeter
 from .timing import PHASES, lap_cost_s, time_calls
 
+PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-def matmul_peak_flops(device: torch.device, seconds: float = 1.0) -> dict:
-    """Measured peak: a large square matmul (bf16 on CUDA, fp32 on the CPU), best of repeats."""
-    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+
+def matmul_peak_flops(device: torch.device, seconds: float = 1.0,
+                      dtype: torch.dtype | None = None) -> dict:
+    """Measured peak: a large square matmul in ``dtype`` (default: bf16 on CUDA, fp32 on the
+    CPU), best of repeats."""
+    n = 8192 if device.type == "cuda" else 1024
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b
@@ -87,21 +93,28 @@ def compute_ceiling(pipe: Pipeline, batch, repeats: int) -> float:
 
 
 def measure_stage(stage: Stage, cfg: BenchConfig, device: torch.device,
-                  peak_flops: float | None = None, lap_cost: float | None = None) -> dict:
+                  peaks: dict[str, float] | None = None, lap_cost: float | None = None) -> dict:
     """Measure one stage at ``cfg.run.n_envs`` x ``cfg.run.n_steps``; a dict of figures or a
-    ``status`` saying why not (``skipped: ...`` or ``error: ...``). ``lap_cost`` (seconds per
-    phase mark, measured if not given) turns the marks per iteration into their overhead."""
+    ``status`` saying why not (``skipped: ...`` or ``error: ...``). ``peaks`` (matmul FLOP/s
+    per precision name, measured on this device) gives ``frac_of_peak`` at the stage's own
+    precision; ``lap_cost`` (seconds per phase mark, measured if not given) turns the marks per
+    iteration into their overhead."""
     stage = get_stage(stage)
     run = cfg.run
     row: dict = {"stage": stage.index, "name": stage.name, "lesson": stage.lesson,
                  "n_envs": run.n_envs, "n_steps": run.n_steps}
+    reason = stage.skip_reason(device)
+    if reason:
+        return {**row, "status": f"skipped: {reason}"}
+    # The previous stage's pipeline may still sit in a reference cycle; its buffers must not
+    # count against this one's memory.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    pipe = None
     try:
         pipe = Pipeline(stage, run, device)
-    except StageSkipped as err:
-        return {**row, "status": f"skipped: {str(err).split(': ', 1)[1]}"}
-    try:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
         lap_cost = lap_cost if lap_cost is not None else lap_cost_s(device)
         row["precision"] = pipe.precision
         row["warmup_s"] = warmup(pipe)
@@ -149,18 +162,26 @@ def measure_stage(stage: Stage, cfg: BenchConfig, device: torch.device,
             "host_reads_by_kind": dict(m_roll.counts + m_upd.counts),
             "flops_per_s": work / it_s,
         })
-        row["rollout_sps"] = samples / (1e-3 * sum(
-            v for k, v in row["phase_ms"].items() if k not in ("gae", "update")))
         row["update_ms"] = row["phase_ms"].get("update", 0.0)
         if device.type == "cuda":
             row["cuda_syncs_per_iter"] = m_roll.cuda_syncs + m_upd.cuda_syncs
-        if peak_flops:
-            row["frac_of_peak"] = row["flops_per_s"] / peak_flops
+        if peaks and pipe.precision in peaks:
+            row["frac_of_peak"] = row["flops_per_s"] / peaks[pipe.precision]
     except Exception as err:  # one broken stage must not lose the others' results
-        row = {**row, "status": f"error: {type(err).__name__}: {err}"}
+        row = {**row, "status": _error_status(err)}
     finally:
-        pipe.close()
+        if pipe is not None:
+            try:
+                pipe.close()
+            except Exception as err:
+                row = {**row, "status": _error_status(err)}
     return row
+
+
+def _error_status(err: Exception, limit: int = 300) -> str:
+    """``error: <type>: <message>`` on one line (torch's messages run to pages)."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return "error: " + (text if len(text) <= limit else text[:limit - 3] + "...")
 
 
 def _add_ratios(rows: list[dict]) -> None:
@@ -168,10 +189,10 @@ def _add_ratios(rows: list[dict]) -> None:
     base = next((r for r in rows if r.get("status") == "ok" and r["name"] == first), None)
     prev = None
     for r in rows:
-        if r.get("status") != "ok":
-            continue
-        r["x_vs_stage0"] = r["sps"] / base["sps"] if base else None
-        r["x_vs_prev"] = r["sps"] / prev["sps"] if prev else None
+        if r.get("status") == "ok":
+            r["x_vs_stage0"] = r["sps"] / base["sps"] if base else None
+            ok_prev = prev is not None and prev.get("status") == "ok"
+            r["x_vs_prev"] = r["sps"] / prev["sps"] if ok_prev else None  # the row just before
         prev = r
 
 
@@ -203,15 +224,17 @@ def run_ladder(cfg: BenchConfig, device: torch.device, stages: list[Stage] | Non
     todo = ladder_plan(cfg, device, stages, scaling)
     stages = [s for s, c in todo if c is cfg]
     peak = matmul_peak_flops(device)
+    precisions = {s.precision(device) for s, _ in todo if not s.skip_reason(device)}
+    peaks = {p: matmul_peak_flops(device, dtype=PEAK_DTYPES[p])["peak_flops"]
+             for p in sorted(precisions)}
     lap_cost = lap_cost_s(device)
     result = {"meta": run_metadata(device, profile), "config": cfg.to_dict(), **peak,
-              "lap_cost_s": lap_cost, "ladder": [], "scaling": []}
+              "peaks": peaks, "lap_cost_s": lap_cost, "ladder": [], "scaling": []}
     try:
         for i, (stage, c) in enumerate(todo):
             if progress:
                 progress(i, len(todo), f"{stage.name} N={c.run.n_envs}")
-            row = measure_stage(stage, c, device, peak_flops=peak["peak_flops"],
-                                lap_cost=lap_cost)
+            row = measure_stage(stage, c, device, peaks=peaks, lap_cost=lap_cost)
             (result["ladder"] if i < len(stages) else result["scaling"]).append(row)
     except KeyboardInterrupt as stop:
         result["interrupted"] = signal.Signals(signum_of(stop)).name

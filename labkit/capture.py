@@ -110,6 +110,9 @@ def side_stream_warmup(fn: Callable[[], object], calls: int = WARMUP_CALLS) -> N
 
 def _copy_(dst: Any, src: Any) -> None:
     for d, s in zip(tree_tensors(dst), tree_tensors(src), strict=True):
+        if d.shape != s.shape:  # copy_ would broadcast a wrong shape silently
+            raise ValueError(f"a captured step takes inputs of shape {tuple(d.shape)}, got "
+                             f"{tuple(s.shape)}: shapes must stay static")
         d.copy_(s)
 
 

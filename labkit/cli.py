@@ -215,11 +215,13 @@ def cmd_plot_runs(args: argparse.Namespace) -> int:
 def cmd_record(args: argparse.Namespace) -> int:
     from .device import resolve_device
     from .files import check_output_dir
-    from .record import PARTS, record
+    from .record import PARTS, RecordError, record
 
     device = resolve_device(args.device)
     profile = args.profile or ("full" if device.type == "cuda" else "quick")
     parts = tuple(p.strip() for p in args.parts.split(",")) if args.parts else PARTS
+    if set(parts) - set(PARTS):
+        raise RecordError(f"--parts must be among {', '.join(PARTS)}; got {args.parts!r}")
     out = check_output_dir(args.out)
     try:
         seconds = record(device, profile, out, parts=parts, notebooks=args.notebooks,

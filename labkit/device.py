@@ -41,9 +41,10 @@ def device_name(device: torch.device) -> str:
 
 
 def has_bf16(device: torch.device) -> bool:
-    """bf16 autocast worth using: a CUDA device that supports it (on the CPU, without AMX,
-    bf16 matmuls are slower than fp32 for this model)."""
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    """bf16 autocast worth using: a CUDA device with native bf16 (compute capability 8.0,
+    Ampere, or newer; ``torch.cuda.is_bf16_supported()`` also says yes where bf16 is only
+    emulated). On the CPU, without AMX, bf16 matmuls are slower than fp32 for this model."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def synchronize(device: torch.device) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .capture import CapturedStep
+from .capture import CapturedStep, tree_map
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,16 @@ class Compiled(Eager):
         return f"Compiled(mode={self.mode!r})" if self.mode else "Compiled()"
 
     def inner(self, fn: Any) -> Any:
-        return torch.compile(fn, fullgraph=True, mode=self.mode)
+        compiled = torch.compile(fn, fullgraph=True, mode=self.mode)
+        if self.mode != "reduce-overhead":
+            return compiled
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            # reduce-overhead replays CUDA graphs whose outputs the next replay overwrites;
+            # callers keep some (each minibatch's loss statistics), so they get copies.
+            return tree_map(torch.clone, compiled(*args, **kwargs))
+
+        return call
 
 
 @dataclass(frozen=True)

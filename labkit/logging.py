@@ -216,12 +216,19 @@ class TensorBoardSink:
     (``torch.utils.tensorboard``; needs the ``tensorboard`` package)."""
 
     def __init__(self, log_dir: str | os.PathLike) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ValueError("--tensorboard needs the tensorboard package: pip install "
-                             "'labkit[tensorboard]'") from None
+        self.check_installed()
+        from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(str(log_dir))
+
+    @staticmethod
+    def check_installed() -> None:
+        """A clear error (before any work) when the tensorboard package is missing."""
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--tensorboard needs the tensorboard package: pip install "
+                             "'labkit[tensorboard]'")
 
     def write(self, record: dict) -> None:
         step = record["step"]

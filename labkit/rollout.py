@@ -71,7 +71,7 @@ class Collector:
         self.t = torch.zeros(1, dtype=torch.int64, device=device)
         self.done = torch.zeros(self.n_envs, device=device)
         self.reward_mean = torch.zeros((), device=device)
-        self.reset()
+        self._observe()  # the env was built reset
 
     def reset(self) -> None:
         """Every env back to the first observation of its seed."""

@@ -45,8 +45,10 @@ def stop_signals() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def signals_deferred() -> Iterator[list[int]]:
-    """Inside: stop signals are only recorded (a save in progress must finish)."""
+def signals_deferred(reraise: bool = True) -> Iterator[list[int]]:
+    """Inside: stop signals are only recorded (a save in progress must finish). After the
+    block, the first one is raised as :class:`Stop` (``reraise=False``: only recorded, for a
+    block that is itself on the way out after a stop)."""
     if threading.current_thread() is not threading.main_thread():
         yield []
         return
@@ -58,3 +60,5 @@ def signals_deferred() -> Iterator[list[int]]:
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+    if pending and reraise:
+        raise Stop(pending[0])

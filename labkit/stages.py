@@ -141,10 +141,11 @@ class Pipeline:
     metrics, sampling generator and counters), ``load_state_dict()`` (in place) and ``reset()``
     (back to the state it was built with). Under torchrun, ``group`` says which rank this is:
     its envs, its sampling seed, gradients averaged over the ranks, episode statistics summed
-    (see labkit.distributed). Building one touches no process-global state: the
-    model is initialized from ``cfg.seed`` under a forked RNG, and compiled functions are this
-    pipeline's own (torch.compile keeps at most 8 compiled versions of one function per process;
-    a harness that builds many compiled pipelines resets dynamo between them, see labkit.bench).
+    (see labkit.distributed). Building one touches no process-global state: the model is
+    initialized from ``cfg.seed`` under a forked RNG, and nothing resets torch.compile's caches
+    (compiled code is shared by pipelines of the same shapes: it guards on tensor properties,
+    not on which module holds them). ``close()`` releases the logger, the rollout buffers and
+    any captured graph at once, without waiting for the garbage collector.
     """
 
     def __init__(self, stage: Stage | int | str, cfg: RunConfig | None = None,
@@ -263,9 +264,14 @@ class Pipeline:
         self.load_state_dict(self._initial)
 
     def close(self) -> None:
-        self.logger.close()
-        if getattr(self, "_tmp", None) is not None:
-            self._tmp.cleanup()
+        try:
+            self.logger.close()
+        finally:
+            # The step executors hold this pipeline (a graph capture restores its state): drop
+            # them so the buffers and graph pools go now, not at a later garbage collection.
+            self._step = self.update = None
+            if getattr(self, "_tmp", None) is not None:
+                self._tmp.cleanup()
 
     def __enter__(self) -> Pipeline:
         return self

@@ -1,8 +1,9 @@
 """Sync meter: count host reads of tensor data.
 
 A *host read* is any call that needs a tensor's values on the CPU: ``.item()``, ``.cpu()``,
-``.numpy()``, ``.tolist()``, ``bool(t)``, ``int(t)``, ``float(t)``, ``operator.index(t)`` and a
-blocking ``copy_`` from a device tensor into host memory. On a GPU each one is a sync that
+``.numpy()``, ``.tolist()``, ``bool(t)``, ``int(t)``, ``float(t)``, ``operator.index(t)``, and
+a device tensor copied to the host by ``.to("cpu")`` or ``copy_`` (except a non-blocking copy
+into pinned memory, which does not wait). On a GPU each one is a sync that
 stalls the pipeline; on a CPU it is counted the same way, so a stage's count is the same
 number on both. Counting is per thread: only reads made by the thread that entered the meter
 count (a background logger's reads are off the hot path by design).
@@ -80,11 +81,22 @@ def _wrap(name: str, fn):
 
 def _copy_wrapper(fn):
     def copy_(self, src, non_blocking=False):
-        if (not non_blocking and self.device.type == "cpu" and isinstance(src, torch.Tensor)
-                and src.device.type != "cpu"):
+        # Device -> host: it waits, unless non_blocking into pinned memory (which may not).
+        if (self.device.type == "cpu" and isinstance(src, torch.Tensor)
+                and src.device.type != "cpu" and not (non_blocking and self.is_pinned())):
             _count("copy_")
         return fn(self, src, non_blocking)
     return copy_
+
+
+def _to_wrapper(fn):
+    def to(self, *args, **kwargs):
+        if self.device.type != "cpu":  # ``x.to("cpu")`` of a device tensor is a D2H copy
+            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            if device is not None and device.type == "cpu":
+                _count("to")
+        return fn(self, *args, **kwargs)
+    return to
 
 
 def _install() -> None:
@@ -93,6 +105,8 @@ def _install() -> None:
         setattr(torch.Tensor, name, _wrap(name, _originals[name]))
     _originals["copy_"] = torch.Tensor.copy_
     torch.Tensor.copy_ = _copy_wrapper(_originals["copy_"])
+    _originals["to"] = torch.Tensor.to
+    torch.Tensor.to = _to_wrapper(_originals["to"])
 
 
 def _uninstall() -> None:

@@ -13,11 +13,13 @@ the stage's workload (what the ladder times), not the training record.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -294,6 +296,7 @@ def _train(cfg: TrainConfig | None, out: Path, resume: bool, progress: bool,
             out = check_output_dir(out)
             if tensorboard is not None:
                 check_output_dir(tensorboard, "--tensorboard")
+                TensorBoardSink.check_installed()
             lock = FolderLock(out).acquire()
             cfg, saved = _open_run(cfg, out, resume)
         except (ValueError, OSError) as err:
@@ -319,8 +322,34 @@ def _train(cfg: TrainConfig | None, out: Path, resume: bool, progress: bool,
 
 
 def _rank_part(state: dict) -> dict:
-    """What differs between ranks: their envs, their episode statistics, their sampler."""
-    return {k: state[k] for k in ("collector", "metrics", "generator")}
+    """What differs between ranks (their envs, episode statistics, sampler), on the CPU so
+    that it travels to rank 0 as plain bytes."""
+    return checkpoint.to_cpu({k: state[k] for k in ("collector", "metrics", "generator")})
+
+
+class _WriteError(Exception):
+    """Writing the run's files failed (a full disk, a deleted folder): the machine's fault."""
+
+
+@contextlib.contextmanager
+def _writing() -> Iterator[None]:
+    try:
+        yield
+    except OSError as err:
+        raise _WriteError(describe_os_error(err)) from err
+
+
+def _closer(log):
+    """An exit callback closing ``log``; a failure to close is raised only if nothing else
+    already failed (one message, not two chained tracebacks, when the disk is full)."""
+    def close(exc_type, exc, tb) -> bool:
+        try:
+            log.close()
+        except (OSError, RuntimeError):
+            if exc_type is None:
+                raise
+        return False
+    return close
 
 
 def _run(cfg: TrainConfig, saved: dict | None, out: Path, progress: bool,
@@ -342,118 +371,121 @@ def _run(cfg: TrainConfig, saved: dict | None, out: Path, progress: bool,
                     "already_complete": True}
         raise ValueError(f"the run in {out} is complete ({start} iterations); nothing to resume")
     kept = _read_metrics(out / METRICS, start) if main else []
-    pipe = build_pipeline(cfg, device, group)
-    wall_before = 0.0
-    if saved is not None:
-        state = dict(saved["state"])
-        if group.world > 1:
-            state.update(saved["ranks"][group.rank])
-        try:
-            pipe.load_state_dict(state)
-        except (KeyError, RuntimeError, TypeError, ValueError) as err:
-            pipe.close()
-            raise checkpoint.CheckpointError(f"{ckpt_path}: its state does not fit its config "
-                                             f"({type(err).__name__}: {err})") from None
-        wall_before = float(saved["wall_s"])
     end = cfg.n_iterations if stop_after is None else max(start, min(stop_after,
                                                                      cfg.n_iterations))
-    if main and (saved is not None or (out / METRICS).exists()):
-        write_jsonl(out / METRICS, kept)
-    recent: deque = deque(kept[-FINAL_WINDOW:], maxlen=FINAL_WINDOW)
     steps_per_iteration = cfg.run.batch_size * cfg.world_size
+    recent: deque = deque(kept[-FINAL_WINDOW:], maxlen=FINAL_WINDOW)
+    wall_before = float(saved["wall_s"]) if saved is not None else 0.0
 
-    metrics_log = SyncLogger(out / METRICS, mode="a") if main else None
-    board = AsyncLogger(None, sinks=[TensorBoardSink(tensorboard)]) \
-        if main and tensorboard is not None else None
-    state, state_wall = pipe.state_dict(), wall_before
-    saved_iteration = start if saved is not None else None
-
-    def save_state() -> None:
-        """Every rank takes part (its envs are in the checkpoint); rank 0 writes."""
-        nonlocal saved_iteration
-        parts = group.gather(_rank_part(state))
-        if main:
-            payload = {"config": cfg.to_dict(), "device": str(device), "wall_s": state_wall,
-                       "state": state}
+    with contextlib.ExitStack() as resources:
+        pipe = resources.enter_context(build_pipeline(cfg, device, group))
+        if saved is not None:
+            state = dict(saved["state"])
             if group.world > 1:
-                payload["ranks"] = parts
-            checkpoint.save(ckpt_path, payload)
-        saved_iteration = state["iteration"]
-
-    def where_saved() -> str:
-        if saved_iteration is None:
-            return "no checkpoint was written yet"
-        return f"{ckpt_path} holds the state after iteration {saved_iteration}"
-
-    bar = tqdm(total=cfg.n_iterations * steps_per_iteration,
-               initial=start * steps_per_iteration, unit="step", unit_scale=True,
-               desc=f"train {cfg.stage}", disable=not (progress and main))
-    first_iter_s = None
-    t_start = time.perf_counter()
-    failed = True
-    try:
-        with stop_signals():
-            for it in range(start, end):
-                t0 = time.perf_counter()
-                stats = pipe.iteration()
-                record = {"iteration": it + 1, **_read_stats(pipe, stats),
-                          **{k: stats[k] for k in ("episodes", "mean_return", "std_return",
-                                                   "mean_length")}}
-                bad = [k for k in UPDATE_KEYS if not math.isfinite(record[k])]
-                if group.any(bad):
-                    with signals_deferred():
-                        if state["iteration"] != saved_iteration:
-                            save_state()  # the last finite state
-                    what = ", ".join(bad) or "on another rank"
-                    raise TrainingFailed(f"the loss became non-finite ({what}) in iteration "
-                                         f"{it + 1}; stopped. {where_saved()}")
-                now = time.perf_counter()
-                iter_s = now - t0
-                first_iter_s = iter_s if first_iter_s is None else first_iter_s
-                record.update(iter_s=iter_s, sps=steps_per_iteration / iter_s,
-                              wall_s=wall_before + now - t_start)
-                if main:
-                    metrics_log.log(pipe.global_step * group.world, **record)
-                    metrics_log.flush()
-                    if board is not None:
-                        board.log(pipe.global_step * group.world, **record)
-                recent.append(record)
-                state, state_wall = pipe.state_dict(), record["wall_s"]
-                if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
-                    with signals_deferred():
-                        save_state()
-                bar.update(steps_per_iteration)
-                if record["episodes"]:
-                    bar.set_postfix(ret=f"{record['mean_return']:.2f}",
-                                    sps=f"{record['sps']:.0f}")
-        with signals_deferred():
-            save_state()
-        failed = False
-    except KeyboardInterrupt as stop:
-        # Mid-iteration state is torn; the last boundary's copy is what resumes exactly. Ranks
-        # of a torchrun stop at different points, so there only scheduled checkpoints count.
-        signum = signum_of(stop)
-        if group.world == 1:
-            with signals_deferred():
-                save_state()
-        raise TrainingInterrupted(
-            f"interrupted by {signal.Signals(signum).name}; {where_saved()}", signum,
-            ckpt_path, saved_iteration) from None
-    except OSError as err:
-        raise TrainingFailed(f"writing the run failed: {describe_os_error(err)}. "
-                             f"{where_saved()}") from None
-    finally:
-        bar.close()
-        pipe.close()
-        for log in (metrics_log, board):
+                state.update(saved["ranks"][group.rank])
             try:
-                if log is not None:
-                    log.close()
-            except (OSError, RuntimeError):
-                if not failed:
-                    raise
+                pipe.load_state_dict(state)
+            except (KeyError, RuntimeError, TypeError, ValueError) as err:
+                raise checkpoint.CheckpointError(f"{ckpt_path}: its state does not fit its "
+                                                 f"config ({type(err).__name__}: {err})") from None
+        if main and (saved is not None or (out / METRICS).exists()):
+            write_jsonl(out / METRICS, kept)
+        metrics_log = board = None
+        if main:
+            metrics_log = SyncLogger(out / METRICS, mode="a")
+            resources.push(_closer(metrics_log))
+            if tensorboard is not None:
+                board = AsyncLogger(None, sinks=[TensorBoardSink(tensorboard)])
+                resources.push(_closer(board))
+        state, state_wall = pipe.state_dict(), wall_before
+        saved_iteration = start if saved is not None else None
 
-    session_s = time.perf_counter() - t_start
+        def save_state() -> None:
+            """Every rank takes part (its envs are in the checkpoint); rank 0 writes."""
+            nonlocal saved_iteration
+            parts = group.gather(_rank_part(state))
+            if main:
+                payload = {"config": cfg.to_dict(), "device": str(device),
+                           "wall_s": state_wall, "state": state}
+                if group.world > 1:
+                    payload["ranks"] = parts
+                with _writing():
+                    checkpoint.save(ckpt_path, payload)
+            saved_iteration = state["iteration"]
+
+        def where_saved() -> str:
+            if saved_iteration is None:
+                return "no checkpoint was written yet"
+            return f"{ckpt_path} holds the state after iteration {saved_iteration}"
+
+        bar = resources.enter_context(tqdm(
+            total=cfg.n_iterations * steps_per_iteration, initial=start * steps_per_iteration,
+            unit="step", unit_scale=True, desc=f"train {cfg.stage}",
+            disable=not (progress and main)))
+        first_iter_s = None
+        t_start = time.perf_counter()
+        try:
+            with stop_signals():
+                for it in range(start, end):
+                    t0 = time.perf_counter()
+                    stats = pipe.iteration()
+                    record = {"iteration": it + 1, **_read_stats(pipe, stats),
+                              **{k: stats[k] for k in ("episodes", "mean_return",
+                                                       "std_return", "mean_length")}}
+                    bad = [k for k in UPDATE_KEYS if not math.isfinite(record[k])]
+                    if group.any(bad):
+                        with signals_deferred(reraise=False):
+                            if state["iteration"] != saved_iteration:
+                                save_state()  # the last finite state
+                        what = ", ".join(bad) or "on another rank"
+                        raise TrainingFailed(f"the loss became non-finite ({what}) in "
+                                             f"iteration {it + 1}; stopped. {where_saved()}")
+                    now = time.perf_counter()
+                    iter_s = now - t0
+                    first_iter_s = iter_s if first_iter_s is None else first_iter_s
+                    record.update(iter_s=iter_s, sps=steps_per_iteration / iter_s,
+                                  wall_s=wall_before + now - t_start)
+                    if main:
+                        with _writing():
+                            metrics_log.log(pipe.global_step * group.world, **record)
+                            metrics_log.flush()
+                        if board is not None:
+                            board.log(pipe.global_step * group.world, **record)
+                    recent.append(record)
+                    state, state_wall = pipe.state_dict(), record["wall_s"]
+                    if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
+                        with signals_deferred():  # a stop during the save stops after it
+                            save_state()
+                    bar.update(steps_per_iteration)
+                    if record["episodes"]:
+                        bar.set_postfix(ret=f"{record['mean_return']:.2f}",
+                                        sps=f"{record['sps']:.0f}")
+            with signals_deferred(reraise=False):  # the run is done; a late stop changes nothing
+                save_state()
+        except KeyboardInterrupt as stop:
+            # Mid-iteration state is torn; the last boundary's copy is what resumes exactly.
+            # Ranks of a torchrun stop at different points: only scheduled checkpoints count.
+            signum = signum_of(stop)
+            if group.world == 1:
+                with signals_deferred(reraise=False):
+                    save_state()
+            raise TrainingInterrupted(
+                f"interrupted by {signal.Signals(signum).name}; {where_saved()}", signum,
+                ckpt_path, saved_iteration) from None
+        except _WriteError as err:
+            raise TrainingFailed(f"writing the run failed: {err}. {where_saved()}") from None
+        except TrainingFailed:
+            raise
+        except Exception as err:
+            # A crash (a bug, out of memory): keep the last finished iteration if that works.
+            if group.world == 1 and state["iteration"] != saved_iteration:
+                with contextlib.suppress(Exception), signals_deferred(reraise=False):
+                    save_state()
+            if hasattr(err, "add_note"):
+                err.add_note(f"labkit: {where_saved()}")
+            raise
+        session_s = time.perf_counter() - t_start
+
     ran = end - start
     checksums = group.all_gather(parameter_checksum(pipe.agent))
     final_return, final_length = _final_means(recent)

@@ -62,43 +62,53 @@ class FusedAdam(Adam):
                                 capturable=device.type == "cuda")
 
 
-def fp32(device: torch.device) -> str:
+class Precision(str):
+    """What the update's forward runs in (``"fp32"``, ``"bf16"`` or ``"fp16"``: it compares and
+    prints as that name) and what that brings: its autocast and, for fp16, a GradScaler."""
+
+    def __new__(cls, name: str) -> Precision:
+        if name not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {name!r}")
+        return super().__new__(cls, name)
+
+    def autocast(self, device: torch.device) -> Callable[[], Any]:
+        """A context-manager factory for this precision's autocast (a no-op for fp32)."""
+        if self == "fp32":
+            return contextlib.nullcontext
+        dtype = torch.bfloat16 if self == "bf16" else torch.float16
+        # cache off: cached casts of the parameters would be stale across graph replays
+        return partial(torch.autocast, device.type, dtype=dtype, cache_enabled=False)
+
+    def scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
+        """fp16 gradients can underflow: a GradScaler scales the loss (None otherwise)."""
+        return torch.amp.GradScaler(device.type) if self == "fp16" else None
+
+
+def fp32(device: torch.device) -> Precision:
     """Everything in float32."""
-    return "fp32"
+    return Precision("fp32")
 
 
-def amp(device: torch.device) -> str:
+def amp(device: torch.device) -> Precision:
     """Mixed precision for the loss's forward: bf16 autocast where the GPU has it, fp16 (with a
     GradScaler) on older GPUs, fp32 on the CPU, where bf16 matmuls without AMX are slower than
     fp32 for this small model."""
     if device.type != "cuda":
-        return "fp32"
-    return "bf16" if has_bf16(device) else "fp16"
-
-
-def autocast_for(precision: str, device: torch.device) -> Callable[[], Any]:
-    """A context-manager factory for ``precision``'s autocast (a no-op for fp32)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "fp32":
-        return contextlib.nullcontext
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    # cache off: cached casts of the parameters would be stale across graph replays
-    return partial(torch.autocast, device.type, dtype=dtype, cache_enabled=False)
+        return Precision("fp32")
+    return Precision("bf16" if has_bf16(device) else "fp16")
 
 
 def build_update(*, agent: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 clip_grad: Callable, precision: str, executor, cfg: PPOConfig,
+                 clip_grad: Callable, precision: Precision, executor, cfg: PPOConfig,
                  generator: torch.Generator, state: Any) -> Callable:
     """``update(batch) -> stats``: :func:`labkit.ppo.ppo_update` with a minibatch step made of
     ``executor.inner(loss)``, ``precision``'s autocast and ``clip_grad``, itself run through
     ``executor.outer`` (``state`` is what a graph capture saves and restores)."""
     device = next(agent.parameters()).device
     loss_fn = executor.inner(partial(ppo_loss, agent, cfg=cfg))
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     step = partial(minibatch_step, loss_fn=loss_fn, optimizer=optimizer,
                    params=[p for p in agent.parameters() if p.requires_grad],
                    max_grad_norm=cfg.max_grad_norm, clip_grad=clip_grad,
-                   autocast=autocast_for(precision, device), scaler=scaler)
+                   autocast=precision.autocast(device), scaler=precision.scaler(device))
     step = executor.outer(step, state)
     return partial(ppo_update, agent, optimizer, cfg=cfg, generator=generator, step=step)

@@ -1,6 +1,8 @@
 """Forage environments: one spec, four implementations, bit-exact with each other."""
 from __future__ import annotations
 
+import importlib.util
+
 from .bench import bench_envs, format_table
 from .numpy import ForageNumpy, Layout
 from .policies import mean_return, oracle_actions, random_actions
@@ -14,9 +16,7 @@ __all__ = ["ACTION_DELTAS", "EMPTY", "FOOD", "N_ACTIONS", "POISON", "WALL", "For
            "bench_envs", "format_table", "kth_free", "mean_return", "oracle_actions",
            "random_actions"]
 
-try:  # Gymnasium is optional (pip install labkit[gym]): register labkit/Forage-v0 if present
+if importlib.util.find_spec("gymnasium") is not None:  # optional: pip install 'labkit[gym]'
     from .gym import register as _register_gymnasium
-except ImportError:
-    pass
-else:
-    _register_gymnasium()
+
+    _register_gymnasium()  # labkit/Forage-v0

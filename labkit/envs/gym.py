@@ -25,7 +25,7 @@ from gymnasium.vector.utils import batch_space
 
 from .numpy import ForageNumpy
 from .python import ForagePy
-from .spec import MAX_SEED, N_ACTIONS, ForageSpec
+from .spec import MAX_SEED, N_ACTIONS, ForageSpec, check_n_envs
 from .torch import ForageTorch
 
 ENV_ID = "labkit/Forage-v0"
@@ -96,7 +96,7 @@ class ForageVectorEnv(VectorEnv):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.forage = forage if forage is not None else ForageSpec()
-        self.num_envs, self.backend = num_envs, backend
+        self.num_envs, self.backend = check_n_envs(num_envs, "num_envs"), backend
         self.single_observation_space = _observation_space(self.forage)
         self.single_action_space = spaces.Discrete(N_ACTIONS)
         self.observation_space = batch_space(self.single_observation_space, num_envs)
