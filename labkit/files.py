@@ -11,12 +11,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+# mkstemp creates files readable by their owner only; a results file or checkpoint should get the
+# permissions any other new file gets. The umask can only be read by setting it: do it once, here.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     """Open a uniquely named temporary file beside ``path``; on a clean exit flush, fsync and
-    rename it over ``path`` (one file system, so the rename is atomic). On any error, or a
-    KeyboardInterrupt, the temporary file is removed and ``path`` is untouched."""
+    rename it over ``path`` (one file system, so the rename is atomic). The file keeps the
+    permissions of the one it replaces, or gets those of any new file (0o666 less the umask).
+    On any error, or a KeyboardInterrupt, the temporary file is removed and ``path`` is
+    untouched."""
     if mode not in ("w", "wb"):
         raise ValueError(f"mode must be 'w' or 'wb', got {mode!r}")
     path = Path(path)
@@ -24,6 +31,11 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with open(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
+            try:
+                permissions = path.stat().st_mode & 0o7777
+            except FileNotFoundError:
+                permissions = 0o666 & ~_UMASK
+            os.chmod(tmp, permissions)
             yield f
             f.flush()
             os.fsync(f.fileno())

@@ -22,7 +22,7 @@ from labkit import checkpoint
 from labkit.cli import main
 from labkit.config import BenchConfig, RunConfig
 from labkit.envs.spec import ForageSpec
-from labkit.files import FolderLock, OutputError, check_output_dir, unique_folder
+from labkit.files import FolderLock, OutputError, check_output_dir, unique_folder, write_json
 from labkit.logging import AsyncLogger, SyncLogger
 from labkit.ppo import PPOConfig
 from labkit.stages import Pipeline, get_stage
@@ -165,6 +165,20 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_its_start(tmp_pat
     assert r.returncode == 0, r.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [rec["iteration"] for rec in records] == list(range(1, 11))
+
+
+def test_files_written_atomically_get_the_permissions_of_any_new_file(tmp_path, monkeypatch):
+    """mkstemp makes owner-only files: a checkpoint a teammate cannot read is work lost too."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *TINY, "--out", "run"]) == 0
+    Path("plain").write_text("")
+    expected = Path("plain").stat().st_mode & 0o777
+    modes = {p.name: p.stat().st_mode & 0o777 for p in Path("run").iterdir() if p.is_file()}
+    assert {"checkpoint.pt", "config.json", "summary.json"} <= set(modes)
+    assert set(modes.values()) == {expected}, modes
+    os.chmod("run/summary.json", 0o640)  # a rewrite keeps the permissions it finds
+    write_json("run/summary.json", {"rewritten": True})
+    assert Path("run/summary.json").stat().st_mode & 0o777 == 0o640
 
 
 # ---------------------------------------------------------------- 3. and 4. signals
