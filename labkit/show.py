@@ -9,6 +9,7 @@ import linecache
 import os
 import re
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from .stages import Stage
@@ -109,14 +110,16 @@ def group_sites(sites: Counter | dict, lines: bool = False) -> Counter:
     (``/tmp/ipykernel_123/456.py``) becomes ``<cell>``, the ``via`` torch frame is dropped and,
     unless ``lines``, so is the line number (``labkit/rollout.py (step)``), so a count that a
     test compares survives edits elsewhere in the file."""
+    return _rekey(sites, lambda path, line, func:
+                  f"{_file(path)}:{line} ({func})" if lines else f"{_file(path)} ({func})")
+
+
+def _rekey(sites: Counter | dict, key: Callable[[str, int, str], str]) -> Counter:
+    """Sum counts under ``key(path, line, function)`` of each parsed call site."""
     out: Counter = Counter()
     for site, count in sites.items():
         parsed = parse_site(site)
-        if parsed is None:
-            out[site] += count
-            continue
-        path, line, func, _ = parsed
-        out[f"{_file(path)}:{line} ({func})" if lines else f"{_file(path)} ({func})"] += count
+        out[site if parsed is None else key(*parsed[:3])] += count
     return out
 
 
@@ -186,15 +189,8 @@ def reads_by_line(sites: Counter | dict) -> Counter:
     .sites``): ``labkit/envs/torch_loop.py (step): if cell != WALL:``. The line's text rather
     than its number, so a compared count reads well and survives edits elsewhere in the file;
     a notebook cell's file becomes ``<cell>``."""
-    out: Counter = Counter()
-    for site, count in sites.items():
-        parsed = parse_site(site)
-        if parsed is None:
-            out[site] += count
-            continue
-        path, line, func, _ = parsed
-        out[f"{_file(path)} ({func}): {source_line(path, line) or f'line {line}'}"] += count
-    return out
+    return _rekey(sites, lambda path, line, func:
+                  f"{_file(path)} ({func}): {source_line(path, line) or f'line {line}'}")
 
 
 def reads_by_file(sites: Counter | dict, per: int = 1) -> dict[str, float]:

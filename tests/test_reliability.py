@@ -198,13 +198,18 @@ def test_sigterm_and_sighup_save_and_exit_128_plus_signal(tmp_path, sig):
     assert saved >= 1 and metrics_lines(out) in (saved, saved + 1)
 
 
+def slow_save_prefix(marker: Path) -> str:
+    """Script lines that make every checkpoint save touch ``marker`` and take 1.5 s."""
+    return ("import time, pathlib, labkit.checkpoint as c\n_save = c.save\n"
+            "def slow_save(path, payload):\n"
+            f"    pathlib.Path({str(marker)!r}).touch()\n"
+            "    time.sleep(1.5)\n    return _save(path, payload)\nc.save = slow_save")
+
+
 def test_a_second_ctrl_c_during_the_save_does_not_lose_it(tmp_path):
     out = tmp_path / "r"
     marker = tmp_path / "saving"
-    prefix = ("import time, pathlib, labkit.checkpoint as c\n_save = c.save\n"
-              "def slow_save(path, payload):\n"
-              f"    pathlib.Path({str(marker)!r}).touch()\n"
-              "    time.sleep(1.5)\n    return _save(path, payload)\nc.save = slow_save")
+    prefix = slow_save_prefix(marker)
     proc = start_training(out, "--checkpoint-every", "0", script_prefix=prefix)
     wait_for(lambda: metrics_lines(out) >= 2, what="two iterations")
     proc.send_signal(signal.SIGINT)
@@ -220,10 +225,7 @@ def test_a_second_ctrl_c_during_the_save_does_not_lose_it(tmp_path):
 def test_a_stop_during_a_periodic_save_stops_training_after_it(tmp_path):
     out = tmp_path / "r"
     marker = tmp_path / "saving"
-    prefix = ("import time, pathlib, labkit.checkpoint as c\n_save = c.save\n"
-              "def slow_save(path, payload):\n"
-              f"    pathlib.Path({str(marker)!r}).touch()\n"
-              "    time.sleep(1.5)\n    return _save(path, payload)\nc.save = slow_save")
+    prefix = slow_save_prefix(marker)
     proc = start_training(out, "--checkpoint-every", "1", script_prefix=prefix)
     wait_for(marker.exists, what="the first periodic save")
     proc.send_signal(signal.SIGTERM)  # while saving iteration 1
