@@ -128,6 +128,7 @@ TRAIN_OPTIONS = ("stage", "device", "n_envs", "n_steps", "total_steps", "seed", 
 def cmd_train(args: argparse.Namespace) -> int:
     from .distributed import current
     from .files import check_output_dir, unique_folder
+    from .logging import TensorBoardSink
     from .train import TrainConfig, TrainingFailed, TrainingInterrupted, check_runnable, train
 
     group = current()  # under torchrun: this process's rank (every rank runs this command)
@@ -148,11 +149,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         if group.world > 1 and args.out is None:
             raise ValueError("--out is required under torchrun: every rank must name the same "
                              "run folder")
+        if args.tensorboard is not None and group.is_main:  # refused before the run folder
+            TensorBoardSink.check_installed()
+            check_output_dir(args.tensorboard, "--tensorboard")
         out = check_output_dir(args.out) if args.out else unique_folder(
             "runs/train-%Y%m%d-%H%M%S")
     try:
         s = train(cfg, out, resume=bool(args.resume), progress=not args.no_progress,
-                  stop_after=args.stop_after, tensorboard=args.tensorboard)
+                  stop_after=args.stop_after, tensorboard=args.tensorboard,
+                  debug_checks=args.debug)
     except TrainingInterrupted as err:
         if group.is_main:
             print(f"\n{err}\ncontinue with: python -m labkit train --resume {out}",
@@ -240,15 +245,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .device import resolve_device
     from .files import check_output_dir
     from .profiling import top_ops, trace_pipeline
-    from .stages import Pipeline, StageSkipped
+    from .stages import Pipeline, get_stage
 
     device = resolve_device(args.device)
     cfg = RunConfig(n_envs=args.n_envs, n_steps=args.n_steps)
+    reason = get_stage(args.stage).skip_reason(device)
+    if reason is not None:  # before the folder is made: a refused command leaves nothing
+        raise ValueError(f"--stage {args.stage}: skipped on {device}: {reason}")
     out = check_output_dir(args.out)
-    try:
-        pipe = Pipeline(args.stage, cfg, device)
-    except StageSkipped as err:
-        raise ValueError(f"--stage: {err}") from None
+    pipe = Pipeline(args.stage, cfg, device)
     with pipe:
         warmup(pipe)  # compilation and capture stay out of the trace
         prof, path = trace_pipeline(pipe, out, iterations=args.iterations)
@@ -271,6 +276,8 @@ def torch_cpu():
 def cmd_report(args: argparse.Namespace) -> int:
     from .record import write_report
 
+    if not Path(args.results).is_dir():
+        raise ValueError(f"--results: {args.results!r} is not a folder (make record writes one)")
     for path in write_report(args.results):
         print(f"wrote {path}")
     return 0
@@ -333,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the metrics as TensorBoard scalars to DIR")
     p.add_argument("--stop-after", type=_positive_int, default=None, metavar="K",
                    help="stop after iteration K of the run, with a checkpoint (--resume goes on)")
+    p.add_argument("--debug", action="store_true",
+                   help="check observations, logits, values, losses and gradients for NaN/inf "
+                        "(one host read per check; LABKIT_DEBUG=1 does the same)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
@@ -390,3 +400,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         print(f"error: {_one_line(describe_os_error(err))}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # train and ladder keep their work and say so themselves
+        print(f"interrupted: {args.command} stopped", file=sys.stderr)
+        return 130

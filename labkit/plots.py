@@ -3,6 +3,7 @@ curves."""
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 
@@ -32,9 +33,11 @@ def ladder_bars(result: dict, ax=None):
     for i, r in enumerate(rows):
         if r.get("status") == "ok":
             ax.annotate(f"{r['sps']:,.0f}", (i, r["sps"]), ha="center", va="bottom", fontsize=8)
-        else:
-            ax.annotate(r["status"], (i, 0.05), xycoords=("data", "axes fraction"),
-                        ha="center", va="bottom", rotation=90, fontsize=8, color="gray")
+        else:  # "skipped: needs CUDA" or "error: ...", wrapped to the bar's width
+            label = textwrap.shorten(r["status"], 60, placeholder=" …")
+            ax.annotate(textwrap.fill(label, 14), (i, 0.05), xycoords=("data", "axes fraction"),
+                        ha="center", va="bottom", fontsize=8, color="gray")
+    ax.set_xlim(-0.6, len(rows) - 0.4)  # room for a last stage that has no bar
     ax.figure.tight_layout()
     return ax
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, debug
 from .config import RunConfig, check_memory, split_run_fields
 from .device import ALLOWED as DEVICES
 from .device import resolve_device
@@ -191,7 +191,12 @@ def _read_metrics(path: Path, keep_through: int) -> list[dict]:
                 break  # the torn last line of an interrupted write
             raise ValueError(f"{path} line {number} is not valid JSON (and later lines are); "
                              "repair or delete that line, then resume") from None
-        if not isinstance(record, dict) or record.get("iteration", math.inf) > keep_through:
+        if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
+            if number == len(lines):
+                break
+            raise ValueError(f"{path} line {number} is not a metrics record (a JSON object with "
+                             "an integer iteration); repair or delete that line, then resume")
+        if record["iteration"] > keep_through:
             break
         kept.append(record)
     return kept
@@ -256,7 +261,7 @@ def _open_run(cfg: TrainConfig | None, out: Path, resume: bool
 
 def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
           progress: bool = True, stop_after: int | None = None,
-          tensorboard: str | Path | None = None) -> dict[str, Any]:
+          tensorboard: str | Path | None = None, debug_checks: bool = False) -> dict[str, Any]:
     """Train, writing ``out/config.json``, ``out/metrics.jsonl``, ``out/checkpoint.pt`` and
     ``out/summary.json`` (and TensorBoard scalars to ``tensorboard`` if given).
 
@@ -266,8 +271,10 @@ def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
     start), with a checkpoint. Ctrl-C, SIGTERM and SIGHUP save the state of the last finished
     iteration, close the logs and raise :class:`TrainingInterrupted` (further signals wait for
     the save). A non-finite loss or a write error raises :class:`TrainingFailed` saying where
-    the last good state is. The folder is locked while training: a second process writing to
-    it gets a clear error. Returns the summary (also written to summary.json).
+    the last good state is; so does a NaN or inf that ``debug_checks`` (the debug module's
+    finite-ness checks, also on with ``LABKIT_DEBUG=1``) finds. The folder is locked while
+    training: a second process writing to it gets a clear error. Returns the summary (also
+    written to summary.json).
 
     Under torchrun every process calls this; rank 0 alone checks and writes the folder, and
     checkpoints hold every rank's envs (a stop signal keeps the last scheduled checkpoint:
@@ -277,7 +284,8 @@ def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
         check_int("stop_after", stop_after, 1)
     group = join()
     try:
-        return _train(cfg, Path(out), resume, progress, stop_after, tensorboard, group)
+        with debug.enable(debug_checks or debug.enabled()):
+            return _train(cfg, Path(out), resume, progress, stop_after, tensorboard, group)
     finally:
         leave(group)
 
@@ -337,6 +345,8 @@ def _writing() -> Iterator[None]:
         yield
     except OSError as err:
         raise _WriteError(describe_os_error(err)) from err
+    except RuntimeError as err:  # an AsyncLogger's writer thread failed (it names the cause)
+        raise _WriteError(str(err)) from err
 
 
 def _closer(log):
@@ -450,7 +460,8 @@ def _run(cfg: TrainConfig, saved: dict | None, out: Path, progress: bool,
                             metrics_log.log(pipe.global_step * group.world, **record)
                             metrics_log.flush()
                         if board is not None:
-                            board.log(pipe.global_step * group.world, **record)
+                            with _writing():
+                                board.log(pipe.global_step * group.world, **record)
                     recent.append(record)
                     state, state_wall = pipe.state_dict(), record["wall_s"]
                     if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
@@ -474,6 +485,12 @@ def _run(cfg: TrainConfig, saved: dict | None, out: Path, progress: bool,
                 ckpt_path, saved_iteration) from None
         except _WriteError as err:
             raise TrainingFailed(f"writing the run failed: {err}. {where_saved()}") from None
+        except debug.NonFiniteError as err:
+            if group.world == 1 and state["iteration"] != saved_iteration:
+                with signals_deferred(reraise=False):
+                    save_state()
+            raise TrainingFailed(f"debug checks: {err}, in iteration {state['iteration'] + 1}"
+                                 f"; stopped. {where_saved()}") from None
         except TrainingFailed:
             raise
         except Exception as err:

@@ -25,9 +25,11 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 @dataclass(frozen=True)
 class Adam:
-    """``torch.optim.Adam`` as most training loops create it: multi-tensor (foreach) kernels, a
-    float learning rate, and ``torch.nn.utils.clip_grad_norm_``. Its step counters are CPU
-    tensors that each step reads with ``.item()``, one per parameter."""
+    """``torch.optim.Adam`` as most training loops create it: a float learning rate, step
+    counters kept as CPU tensors, and ``torch.nn.utils.clip_grad_norm_``. Each step reads every
+    parameter's counter with ``.item()``. ``foreach=False`` (torch's choice on the CPU) steps one
+    parameter at a time on every device: the multi-tensor kernels torch picks by default on CUDA
+    read each counter twice, and the chapters compare the count across devices."""
 
     requires: tuple[str, ...] = ()
 
@@ -40,7 +42,7 @@ class Adam:
 
     def __call__(self, params: Iterable[torch.Tensor], cfg: PPOConfig,
                  device: torch.device) -> torch.optim.Adam:
-        return torch.optim.Adam(params, lr=cfg.lr, eps=cfg.adam_eps)
+        return torch.optim.Adam(params, lr=cfg.lr, eps=cfg.adam_eps, foreach=False)
 
 
 @dataclass(frozen=True, repr=False)

@@ -87,6 +87,29 @@ def test_vector_env_is_the_vectorized_forage_bit_for_bit(backend):
         ForageVectorEnv(2, backend="jax")
 
 
+def test_vector_info_has_the_layout_of_gymnasiums_own_vector_env():
+    """final_obs / final_info and their masks, as SyncVectorEnv(same-step) gives them."""
+    n = 4
+    ours = ForageVectorEnv(n, SPEC)
+    theirs = gym.vector.SyncVectorEnv([lambda: ForageEnv(SPEC)] * n,
+                                      autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    infos = []
+    for envs in (ours, theirs):
+        envs.reset(seed=0)
+        for _ in range(SPEC.episode_length):
+            *_, trunc, info = envs.step(np.zeros(n, dtype=np.int64))
+        assert trunc.all()
+        infos.append(info)
+    mine, ref = infos
+    assert set(ref) <= set(mine) and set(ref["final_info"]) == set(mine["final_info"])
+    for key in ("_final_obs", "_final_info"):
+        assert np.array_equal(mine[key], ref[key])
+    final = mine["final_info"]
+    assert np.array_equal(final["episode_length"], ref["final_info"]["episode_length"])
+    assert final["_episode_return"].all() and final["episode_length"].tolist() == [20] * n
+    assert np.stack(list(ref["final_obs"])).shape == mine["final_obs"].shape
+
+
 def test_a_cleanrl_style_loop_trains_on_it():
     path = Path(__file__).parents[1] / "examples" / "cleanrl_gymnasium.py"
     spec = importlib.util.spec_from_file_location("cleanrl_gymnasium", path)

@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import checkpoint
+from labkit import checkpoint, debug
 from labkit.cli import main
 from labkit.config import BenchConfig, RunConfig
 from labkit.envs.spec import ForageSpec
@@ -119,6 +120,18 @@ def test_unusable_out_is_one_line_exit_2_before_any_work(tmp_path, capsys, kind)
         assert err.count("\n") == 1 and err.startswith("error: ") and str(target) in err
         assert time.perf_counter() - start < 5  # refused before the benchmark ran
     assert snapshot(tmp_path) == before
+
+
+def test_a_refused_command_creates_no_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("f").write_text("not a folder")
+    for argv, needle in ((["train", *TINY, "--tensorboard", "f", "--out", "new"], "--tensorboard"),
+                         (["profile", "--device", "cpu", "--stage", "cuda_graphs",
+                           "--out", "new"], "needs CUDA"),
+                         (["report", "--results", "new"], "--results")):
+        code, out, err = run_cli(argv, capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1 and needle in err, argv
+        assert sorted(os.listdir(".")) == ["f"], argv
 
 
 def test_plot_runs_on_a_missing_folder_is_a_clear_error(tmp_path, capsys):
@@ -368,6 +381,28 @@ def test_training_stops_when_the_loss_becomes_non_finite(tmp_path, monkeypatch):
     assert saved["state"]["iteration"] == 2  # the last finite state, and it loads
 
 
+def test_debug_checks_in_training_name_the_point_and_keep_the_last_good_state(
+        tmp_path, monkeypatch, capsys):
+    iteration = Pipeline.iteration
+
+    def poisoned(self):
+        if self.iteration_index == 2:
+            with torch.no_grad():
+                self.agent.actor.weight.fill_(math.nan)
+        return iteration(self)
+
+    monkeypatch.setattr(Pipeline, "iteration", poisoned)
+    out = tmp_path / "r"
+    assert main(["train", *TINY, "--total-steps", "320", "--checkpoint-every", "0", "--debug",
+                 "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert re.fullmatch(r"error: debug checks: logits is not finite at step \d+ .* in "
+                        r"iteration 3; stopped\. .* after iteration 2", err), err
+    assert checkpoint.load(out / "checkpoint.pt")["state"]["iteration"] == 2
+    assert not debug.enabled()  # switched off again after the run
+
+
 # ---------------------------------------------------------------- 11. a finished run
 
 
@@ -386,13 +421,16 @@ def test_resuming_a_finished_run_changes_nothing(copy_of, capsys):
 
 
 @pytest.mark.slow
-def test_rebuilding_compiled_pipelines_does_not_grow_memory():
+@pytest.mark.parametrize("stage", ["compile_warmup", "fused_amp"])
+def test_rebuilding_compiled_pipelines_does_not_grow_memory(stage):
+    """Building a pipeline used to reset dynamo and compile afresh each time (memory grew with
+    every rebuild); compiled code is now shared by every pipeline of the same shapes."""
     psutil = pytest.importorskip("psutil")
     proc = psutil.Process()
     cfg = RunConfig(n_envs=8, n_steps=16)
     rss = []
     for _ in range(10):
-        with Pipeline("compile_warmup", cfg, "cpu") as p:
+        with Pipeline(stage, cfg, "cpu") as p:
             p.iteration()
         del p
         gc.collect()

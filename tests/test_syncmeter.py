@@ -94,3 +94,23 @@ def test_call_sites_name_the_line_and_what_torch_did_for_it():
     [adam] = [s for s in sites if "via torch/optim/" in s]
     assert sites[adam] == len(list(agent.parameters())) == m.counts["item"] - 1
     assert SyncMeter().sites is None  # off by default: no stack walks on the hot path
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_the_default_adam_reads_each_step_counter_once_on_every_device(device):
+    """torch's foreach Adam (its CUDA default) reads each counter twice; the ladder's Adam steps
+    one parameter at a time everywhere, so a chapter's compared count is device-independent."""
+    from labkit.policy import Agent
+    from labkit.ppo import PPOConfig
+    from labkit.update import Adam
+
+    agent = Agent().to(device)
+    opt = Adam()(agent.parameters(), PPOConfig(), torch.device(device))
+    assert opt.defaults["foreach"] is False
+    logits, value = agent(torch.rand(2, 3, 7, 7, device=device))
+    (logits.sum() + value.sum()).backward()
+    opt.step()
+    with SyncMeter() as m:
+        opt.step()
+    assert m.host_reads == len(list(agent.parameters()))

@@ -17,6 +17,8 @@ __all__ = ["ACTION_DELTAS", "EMPTY", "FOOD", "N_ACTIONS", "POISON", "WALL", "For
            "random_actions"]
 
 if importlib.util.find_spec("gymnasium") is not None:  # optional: pip install 'labkit[gym]'
+    from .gym import ForageEnv, ForageVectorEnv
     from .gym import register as _register_gymnasium
 
     _register_gymnasium()  # labkit/Forage-v0
+    __all__ += ["ForageEnv", "ForageVectorEnv"]

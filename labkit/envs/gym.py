@@ -115,8 +115,13 @@ class ForageVectorEnv(VectorEnv):
     def step(self, actions):
         obs, reward, terminated, truncated, info = self._env.step(actions)
         final = info.pop("final_observation")
-        info["final_obs"], info["_final_obs"] = final, truncated
         info["_episode_return"] = info["_episode_length"] = truncated
+        # Gymnasium's same-step layout (SyncVectorEnv's): the ended episodes' observations and
+        # infos under final_obs / final_info, each with its mask; the statistics stay at the
+        # top level too, where CleanRL-style loops read them.
+        info["final_info"] = {k: info[k] for k in (
+            "episode_return", "_episode_return", "episode_length", "_episode_length")}
+        info["final_obs"], info["_final_obs"], info["_final_info"] = final, truncated, truncated
         return obs, reward, terminated, truncated, info
 
 
