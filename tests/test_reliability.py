@@ -364,7 +364,8 @@ def test_a_flipped_byte_is_caught_by_the_checksum(copy_of, capsys):
     assert code == 2 and "corrupt" in err
 
 
-def test_training_stops_when_the_loss_becomes_non_finite(tmp_path, monkeypatch):
+def poison_the_weights_before_iteration_3(monkeypatch) -> None:
+    """Every pipeline's actor weights become NaN when its third iteration starts."""
     iteration = Pipeline.iteration
 
     def poisoned(self):
@@ -374,6 +375,10 @@ def test_training_stops_when_the_loss_becomes_non_finite(tmp_path, monkeypatch):
         return iteration(self)
 
     monkeypatch.setattr(Pipeline, "iteration", poisoned)
+
+
+def test_training_stops_when_the_loss_becomes_non_finite(tmp_path, monkeypatch):
+    poison_the_weights_before_iteration_3(monkeypatch)
     out = tmp_path / "r"
     with pytest.raises(TrainingFailed, match="non-finite .* in iteration 3.*after iteration 2"):
         train(tiny_config(total_steps=320, checkpoint_every=0), out, progress=False)
@@ -383,15 +388,7 @@ def test_training_stops_when_the_loss_becomes_non_finite(tmp_path, monkeypatch):
 
 def test_debug_checks_in_training_name_the_point_and_keep_the_last_good_state(
         tmp_path, monkeypatch, capsys):
-    iteration = Pipeline.iteration
-
-    def poisoned(self):
-        if self.iteration_index == 2:
-            with torch.no_grad():
-                self.agent.actor.weight.fill_(math.nan)
-        return iteration(self)
-
-    monkeypatch.setattr(Pipeline, "iteration", poisoned)
+    poison_the_weights_before_iteration_3(monkeypatch)
     out = tmp_path / "r"
     assert main(["train", *TINY, "--total-steps", "320", "--checkpoint-every", "0", "--debug",
                  "--out", str(out)]) == 1
