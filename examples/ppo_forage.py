@@ -381,9 +381,11 @@ def make_runner(args: Args) -> Runner:
     with torch.random.fork_rng(devices=[]):  # the init, without touching the global RNG
         torch.manual_seed(args.seed)
         agent = Agent(args.view).to(device)
+    bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    graphs = args.cuda_graphs and bf16  # captured steps need a capturable Adam; others not
     lr = torch.tensor(args.lr, dtype=torch.float32, device=device)  # updated in place
     optimizer = torch.optim.Adam(agent.parameters(), lr=lr, eps=args.adam_eps, fused=True,
-                                 capturable=device.type == "cuda")
+                                 capturable=graphs)
     env = Forage(args, device)
     T, N, V = args.n_steps, args.n_envs, args.view
     storage = {"obs": torch.zeros(T, N, 3, V, V, device=device),
@@ -395,7 +397,6 @@ def make_runner(args: Args) -> Runner:
                     obs=env.observation(), done=torch.zeros(N, device=device),
                     t=torch.zeros(1, dtype=torch.int64, device=device),
                     episodes=torch.zeros(3, dtype=torch.float64, device=device))
-    bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
     autocast = (partial(torch.autocast, "cuda", dtype=torch.bfloat16, cache_enabled=False)
                 if bf16 else contextlib.nullcontext)  # no bf16 GPU: fp32 (chapter 08: fp16)
     policy = torch.compile(agent, fullgraph=True) if args.compile else agent
@@ -405,7 +406,7 @@ def make_runner(args: Args) -> Runner:
     runner.train_step = partial(minibatch_step, loss_fn=loss_fn, optimizer=optimizer,
                                 params=list(agent.parameters()),
                                 max_grad_norm=args.max_grad_norm, autocast=autocast)
-    if args.cuda_graphs and bf16:
+    if graphs:
         runner.step = CudaGraphStep(runner.step, runner)
         runner.train_step = CudaGraphStep(runner.train_step, runner)
     return runner

@@ -116,7 +116,7 @@ def measure_stage(stage: Stage, cfg: BenchConfig, device: torch.device,
     try:
         pipe = Pipeline(stage, run, device)
         lap_cost = lap_cost if lap_cost is not None else lap_cost_s(device)
-        row["precision"] = pipe.precision
+        row["precision"] = pipe.precision.name
         row["warmup_s"] = warmup(pipe)
         plain, marked, phases, curve = [], [], [], []
         budget_end = time.perf_counter() + cfg.stage_timeout_s
@@ -165,8 +165,8 @@ def measure_stage(stage: Stage, cfg: BenchConfig, device: torch.device,
         row["update_ms"] = row["phase_ms"].get("update", 0.0)
         if device.type == "cuda":
             row["cuda_syncs_per_iter"] = m_roll.cuda_syncs + m_upd.cuda_syncs
-        if peaks and pipe.precision in peaks:
-            row["frac_of_peak"] = row["flops_per_s"] / peaks[pipe.precision]
+        if peaks and pipe.precision.name in peaks:
+            row["frac_of_peak"] = row["flops_per_s"] / peaks[pipe.precision.name]
     except Exception as err:  # one broken stage must not lose the others' results
         row = {**row, "status": _error_status(err)}
     finally:
@@ -184,26 +184,45 @@ def _error_status(err: Exception, limit: int = 300) -> str:
     return "error: " + (text if len(text) <= limit else text[:limit - 3] + "...")
 
 
-def _add_ratios(rows: list[dict]) -> None:
+def add_ratios(rows: list[dict]) -> None:
+    """``x_vs_stage0`` and ``x_vs_prev`` (over the row just before) of each measured ladder
+    row, between rows of the same run only (a row's ``run``, where parts of a record merged
+    rows of several runs): numbers from different runs are never divided."""
     first = STAGES[0].name
     base = next((r for r in rows if r.get("status") == "ok" and r["name"] == first), None)
     prev = None
     for r in rows:
         if r.get("status") == "ok":
-            r["x_vs_stage0"] = r["sps"] / base["sps"] if base else None
-            ok_prev = prev is not None and prev.get("status") == "ok"
+            same = base is not None and base.get("run") == r.get("run")
+            r["x_vs_stage0"] = r["sps"] / base["sps"] if same else None
+            ok_prev = prev is not None and prev.get("status") == "ok" \
+                and prev.get("run") == r.get("run")
             r["x_vs_prev"] = r["sps"] / prev["sps"] if ok_prev else None  # the row just before
         prev = r
 
 
+def headline(result: dict) -> dict | None:
+    """The final measured stage's best rate over every N, and the best row overall."""
+    ok = [r for r in result["ladder"] + result["scaling"] if r.get("status") == "ok"]
+    if not ok:
+        return None
+    best = max(ok, key=lambda r: r["sps"])
+    final = max(r["stage"] for r in ok)
+    best_final = max((r for r in ok if r["stage"] == final), key=lambda r: r["sps"])
+    return {"stage": final, "name": best_final["name"], "n_envs": best_final["n_envs"],
+            "sps": best_final["sps"], "best_overall": {k: best[k] for k in ("name", "n_envs",
+                                                                            "sps")}}
+
+
 def ladder_plan(cfg: BenchConfig, device: torch.device, stages: list | None = None,
-                scaling: bool = True) -> list[tuple[Stage, BenchConfig]]:
+                scaling: bool = True, ladder: bool = True) -> list[tuple[Stage, BenchConfig]]:
     """What ``run_ladder`` will measure, in order, every configuration checked (stage names,
-    minibatch divisibility, memory) before anything runs."""
+    minibatch divisibility, memory) before anything runs: the ladder rows (unless ``ladder``
+    is False), then the scaling rows (if ``scaling``)."""
     stages = [get_stage(s) for s in (stages if stages is not None else STAGES)]
     if not stages:
         raise ValueError("stages must name at least one stage")
-    todo = [(s, cfg) for s in stages]
+    todo = [(s, cfg) for s in stages] if ladder else []
     if scaling:
         todo += [(s, cfg.replace(n_envs=n)) for s in stages if s.scales
                  for n in cfg.scaling_n_envs]
@@ -212,41 +231,53 @@ def ladder_plan(cfg: BenchConfig, device: torch.device, stages: list | None = No
     return todo
 
 
+def calibrate(device: torch.device, stages: list) -> dict:
+    """What every row of a run is measured against: a large matmul's FLOP/s (bf16 on CUDA,
+    fp32 on the CPU), the same per precision that ``stages`` run in here, and the cost of one
+    phase mark."""
+    stages = [get_stage(s) for s in stages]
+    precisions = {s.precision(device).name for s in stages if not s.skip_reason(device)}
+    return {**matmul_peak_flops(device),
+            "peaks": {p: matmul_peak_flops(device, dtype=PEAK_DTYPES[p])["peak_flops"]
+                      for p in sorted(precisions)},
+            "lap_cost_s": lap_cost_s(device)}
+
+
 def run_ladder(cfg: BenchConfig, device: torch.device, stages: list[Stage] | None = None,
                scaling: bool = True, profile: str | None = None,
-               progress: Callable[[int, int, str], None] | None = None) -> dict:
+               progress: Callable[[int, int, str], None] | None = None, ladder: bool = True,
+               on_row: Callable[[str, dict, dict], None] | None = None,
+               calibration: dict | None = None) -> dict:
     """The ladder (every stage at one N, T) and the scaling sweep (the stages whose env is
-    vectorized on the device, over ``cfg.scaling_n_envs``).
+    vectorized on the device, over ``cfg.scaling_n_envs``); ``ladder=False``: the sweep only.
 
-    Every configuration is checked before the first is measured. A KeyboardInterrupt (or a
-    stop signal under :func:`labkit.signals.stop_signals`) ends the sweep early: the result
-    keeps every measurement that finished and says ``"interrupted": "<signal name>"``."""
-    todo = ladder_plan(cfg, device, stages, scaling)
-    stages = [s for s, c in todo if c is cfg]
-    peak = matmul_peak_flops(device)
-    precisions = {s.precision(device) for s, _ in todo if not s.skip_reason(device)}
-    peaks = {p: matmul_peak_flops(device, dtype=PEAK_DTYPES[p])["peak_flops"]
-             for p in sorted(precisions)}
-    lap_cost = lap_cost_s(device)
-    result = {"meta": run_metadata(device, profile), "config": cfg.to_dict(), **peak,
-              "peaks": peaks, "lap_cost_s": lap_cost, "ladder": [], "scaling": []}
+    Every configuration is checked before the first is measured. ``on_row(section, row,
+    result)`` is called as each row is added ("ladder" or "scaling"), so a caller can keep it
+    at once. A KeyboardInterrupt (or a stop signal under :func:`labkit.signals.stop_signals`)
+    ends the sweep early: the result keeps every measurement that finished and says
+    ``"interrupted": "<signal name>"``. ``calibration`` (from :func:`calibrate`, for parts
+    of one run measured by several calls) is measured here if not given."""
+    todo = ladder_plan(cfg, device, stages, scaling, ladder)
+    stages = [s for s, c in todo if c is cfg and ladder]
+    cal = calibration if calibration is not None else calibrate(device, [s for s, _ in todo])
+    peaks, lap_cost = cal["peaks"], cal["lap_cost_s"]
+    result = {"meta": run_metadata(device, profile), "config": cfg.to_dict(), **cal,
+              "ladder": [], "scaling": []}
     try:
         for i, (stage, c) in enumerate(todo):
             if progress:
                 progress(i, len(todo), f"{stage.name} N={c.run.n_envs}")
             row = measure_stage(stage, c, device, peaks=peaks, lap_cost=lap_cost)
-            (result["ladder"] if i < len(stages) else result["scaling"]).append(row)
+            section = "ladder" if i < len(stages) else "scaling"
+            result[section].append(row)
+            if on_row:
+                on_row(section, row, result)
     except KeyboardInterrupt as stop:
         result["interrupted"] = signal.Signals(signum_of(stop)).name
-    _add_ratios(result["ladder"])
-    ok = [r for r in result["ladder"] + result["scaling"] if r.get("status") == "ok"]
-    if ok:
-        best = max(ok, key=lambda r: r["sps"])
-        final = max(r["stage"] for r in ok)
-        best_final = max((r for r in ok if r["stage"] == final), key=lambda r: r["sps"])
-        result["headline"] = {"stage": final, "name": best_final["name"],
-                              "n_envs": best_final["n_envs"], "sps": best_final["sps"],
-                              "best_overall": {k: best[k] for k in ("name", "n_envs", "sps")}}
+    add_ratios(result["ladder"])
+    top = headline(result)
+    if top:
+        result["headline"] = top
     return result
 
 

@@ -218,23 +218,33 @@ def cmd_plot_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
+    import signal
+
     from .device import resolve_device
     from .files import check_output_dir
-    from .record import PARTS, RecordError, record
+    from .record import check_run_id, format_plan, plan, record, select
+    from .signals import signum_of, stop_signals
 
     device = resolve_device(args.device)
     profile = args.profile or ("full" if device.type == "cuda" else "quick")
-    parts = tuple(p.strip() for p in args.parts.split(",")) if args.parts else PARTS
-    if set(parts) - set(PARTS):
-        raise RecordError(f"--parts must be among {', '.join(PARTS)}; got {args.parts!r}")
+    todo = select(plan(profile, args.notebooks), args.parts)
+    if args.run is not None:
+        check_run_id(args.run)
+    if args.plan:
+        print(format_plan(todo, device, profile, args.out))
+        return 0
     out = check_output_dir(args.out)
     try:
-        seconds = record(device, profile, out, parts=parts, notebooks=args.notebooks,
-                         allow_dirty=args.allow_dirty,
-                         overwrite_gpu_notebooks=args.overwrite_gpu_notebooks)
-    except KeyboardInterrupt:
-        print("\ninterrupted: the parts listed above as written are kept", file=sys.stderr)
-        return 130
+        with stop_signals():
+            seconds = record(device, profile, out, parts=args.parts, notebooks=args.notebooks,
+                             allow_dirty=args.allow_dirty, run=args.run,
+                             overwrite_gpu_notebooks=args.overwrite_gpu_notebooks)
+    except KeyboardInterrupt as stop:
+        signum = signum_of(stop)
+        print(f"\ninterrupted by {signal.Signals(signum).name}: every part listed above as "
+              f"written is kept, and so is each ladder row measured (in {out})",
+              file=sys.stderr)
+        return 128 + signum
     print(f"recorded {', '.join(seconds)} in {sum(seconds.values()):.0f} s")
     return 0
 
@@ -350,8 +360,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--profile", choices=("quick", "full", "tiny"), default=None,
                    help="default: full on CUDA, quick otherwise (tiny: seconds, for tests)")
-    p.add_argument("--parts", default=None,
-                   help="comma-separated: ladder,bench_env,learning,notebooks,report (all)")
+    p.add_argument("--part", "--parts", dest="parts", default="all",
+                   help="comma-separated parts (ladder-3, scaling-1024, notebook-08, ...: see "
+                        "--plan) or groups (ladder, scaling, bench_env, learning, notebooks, "
+                        "report); default: all")
+    p.add_argument("--plan", action="store_true",
+                   help="print the parts with their estimated minutes and commands that fit "
+                        "in 9 minutes each; run nothing")
+    p.add_argument("--run", default=None, metavar="ID",
+                   help="the run these parts belong to: several commands on one machine at "
+                        "one commit with the same ID count as one run, whose rows' ratios "
+                        "compare (default: a new run)")
     p.add_argument("--notebooks", default="[0-9]*.ipynb",
                    help="glob of the notebooks to execute in notebooks/ ('none': none)")
     p.add_argument("--allow-dirty", action="store_true",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import re
 import subprocess
 
 import torch
@@ -53,14 +54,31 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: Names the commit where the tree is a copy without ``.git`` (a GPU machine gets one).
+COMMIT_ENV = "LABKIT_GIT_COMMIT"
+
+
 def git_commit() -> str:
-    """The labkit checkout's commit (short hash), or "unknown" outside a git checkout."""
+    """The labkit checkout's commit (short hash); else ``$LABKIT_GIT_COMMIT`` (a full hash is
+    shortened); else "unknown". The variable wins where both exist: whoever sets it says which
+    commit the tree is."""
+    given = os.environ.get(COMMIT_ENV, "").strip()
+    if given:
+        return given[:7] if re.fullmatch(r"[0-9a-f]{40}", given) else given
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return out.stdout.strip() or "unknown"
+
+
+def git_commit_source() -> str:
+    """Where :func:`git_commit` got the commit, for the metadata: ``git``, or the variable, in
+    which case nothing checked that the tree is that commit, unmodified."""
+    if os.environ.get(COMMIT_ENV, "").strip():
+        return f"{COMMIT_ENV} (the tree was not checked against it: no git here)"
+    return "git"
 
 
 def run_metadata(device: torch.device, profile: str | None = None) -> dict:
@@ -71,5 +89,6 @@ def run_metadata(device: torch.device, profile: str | None = None) -> dict:
             "torch": torch.__version__, "labkit": __version__,
             "python": platform.python_version(), "platform": platform.platform(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "git_commit": git_commit(), "profile": profile,
+            "git_commit": git_commit(), "git_commit_source": git_commit_source(),
+            "profile": profile,
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}

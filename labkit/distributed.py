@@ -117,12 +117,20 @@ def current() -> Group:
                  local_rank=int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def join() -> Group:
-    """This process's group: under torchrun, join the process group (NCCL for CUDA tensors and
-    gloo for CPU ones where there is a GPU, gloo alone otherwise); else the single one."""
+def join(device_type: str = "cpu") -> Group:
+    """This process's group: under torchrun, join the process group for a run on
+    ``device_type``: NCCL (and gloo for CPU tensors) on this rank's GPU, cuda:LOCAL_RANK, for a
+    CUDA run; gloo for a CPU run, GPU or not (its ranks never touch CUDA). Without torchrun, the
+    single group. A CUDA run with more processes on a node than it has GPUs is refused."""
     group = current()
     if group.world > 1 and not dist.is_initialized():
-        if torch.cuda.is_available():
+        if device_type == "cuda":
+            count = torch.cuda.device_count()
+            if group.local_rank >= count:
+                raise ValueError(
+                    f"LOCAL_RANK {group.local_rank} has no GPU: this node has {count} CUDA "
+                    f"device(s); start at most {count} process(es) per node "
+                    f"(torchrun --nproc-per-node {max(count, 1)}) or train with --device cpu")
             torch.cuda.set_device(group.local_rank)
             dist.init_process_group("cpu:gloo,cuda:nccl")
         else:

@@ -2,12 +2,14 @@
 
 ``diagnose(stage_or_pipeline)`` warms the pipeline up off the clock, then runs ``iterations``
 timed iterations with its phase clock (where the time went: each finding's estimated cost);
-one under the sync meter with call sites and ``torch.profiler`` (host reads by ``file:line``,
-op counts per rollout step and per update); and one eagerly (``force_eager``, so compiled code
-is seen too) under a ``TorchFunctionMode`` that watches tensor factories, host-to-device
-copies, clones and the model's layers, by call site. Between iterations it snapshots memory
-(live tensors, the tensors each component holds, RSS, CUDA memory); around them it reads
-dynamo's counters (graphs compiled after warmup, graph breaks, with dynamo's reasons).
+one under the sync meter with call sites (host reads by ``file:line``); and one eagerly
+(``force_eager``, so compiled code is seen too) under a ``TorchFunctionMode`` that counts, by
+call site, tensor factories, host-to-device copies, clones and the model's layers. What it
+counts is the code's own calls: a clone that torch makes inside a compiled graph or an
+optimizer is torch's business, and differs between torch versions. Between iterations it
+snapshots memory (live tensors, the tensors each component holds, RSS, CUDA memory); around
+them it reads dynamo's counters (graphs compiled after warmup, graph breaks, with dynamo's
+reasons).
 
 A stage with CUDA graphs (``labkit.executors.Graphed``) is diagnosed :func:`without_graphs`,
 and the report's first line says so: a graph replays exactly the ops of the eager step it
@@ -22,8 +24,9 @@ Findings are judged against what the stage is meant to do, never against zero:
   run: a CPU tensor on a GPU) or making a CPU tensor on a CUDA run (pinned buffers excepted),
   and on CUDA every host-to-device copy.
 * ``memory_growth``: tensors a component holds, or alive at all, growing every iteration.
-* ``excess_ops``: more clones or model work (convolutions, matmuls) per step or per update
-  than the clean ladder stage of the same index runs at the same N and T.
+* ``excess_ops``: more clones or model work (convolutions, linear layers, matmuls) called
+  from labkit or user code per step or per minibatch than the clean ladder stage of the same
+  index calls at the same N and T.
 * ``recompile`` / ``graph_break``: graphs compiled after warmup, graph breaks, or a compiled
   step that fails to compile (``fullgraph=True`` turns a graph break into an error).
 * ``precision``: fp32 where the clean stage of the same index uses bf16 or fp16 on this device.
@@ -54,11 +57,10 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from .bench import _timed_iteration
 from .capture import warmup
-from .config import RunConfig
+from .config import RunConfig, check_memory
 from .device import resolve_device, synchronize
 from .distributed import SINGLE
 from .executors import Graphed
-from .profiling import op_counts, profile_calls
 from .show import parse_site, source_line
 from .stages import STAGES, Pipeline, Stage, get_stage
 from .syncmeter import SyncMeter, _short, call_site
@@ -91,7 +93,7 @@ _SLOT_FIX = {
                   "Adam(fused=True) with a device-tensor LR and a sync-free grad clip "
                   "(FusedAdam)"),
     "precision": ("08_fused_optimizers_and_amp",
-                  "bf16 autocast where the device has it (labkit.update.amp)"),
+                  "bf16 autocast where the device has it (labkit.precision.Amp)"),
     "model": ("06_compile_and_warm_up",
               "no Python branches on tensor values in the model: each variant implements one "
               "interface (labkit.policy's value heads), so compiled code runs straight through"),
@@ -129,17 +131,23 @@ _SLOT_PHASES = {
 }
 _MODULE_SLOT = {"labkit/ppo.py": "update", "labkit/policy.py": "model",
                 "labkit/stages.py": "pipeline", "labkit/capture.py": "pipeline",
-                "labkit/update.py": "update", "labkit/timing.py": "pipeline"}
+                "labkit/update.py": "update", "labkit/precision.py": "precision",
+                "labkit/timing.py": "pipeline"}
 
 _FACTORIES = {f"torch.{n}" for n in (
     "zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "linspace", "logspace",
     "eye", "rand", "randn", "randint", "randperm", "empty_strided", "scalar_tensor")}
 _MOVES = {"torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.copy_"}
 _CLONES = {"torch.Tensor.clone", "torch.clone"}
-_LAYERS = {"torch.conv2d", "torch.nn.functional.conv2d", "torch._C._nn.linear",
-           "torch.nn.functional.linear"}
-_COPY_OPS = ("aten::clone",)
-_MODEL_OPS = ("aten::convolution", "aten::addmm", "aten::mm", "aten::bmm")
+#: Model work by the name the doctor counts it under.
+_LAYERS = {"torch.conv2d": "convolution", "torch.nn.functional.conv2d": "convolution",
+           "torch._C._nn.linear": "linear", "torch.nn.functional.linear": "linear",
+           "torch.matmul": "matmul", "torch.mm": "matmul", "torch.bmm": "matmul",
+           "torch.Tensor.__matmul__": "matmul", "torch.Tensor.matmul": "matmul"}
+#: (ops, label) compared with the clean stage for ``excess_ops``.
+_EXCESS = ((("clone",), "clones"),
+           (("convolution", "linear", "matmul"), "model work (convolutions, linear layers, "
+                                                 "matmuls)"))
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _USER_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 
@@ -262,16 +270,11 @@ def _classes(part: Any) -> list:
 class _Parts:
     """Where each component's code lives, to say which component a call site belongs to."""
 
-    def __init__(self, pipe: Pipeline) -> None:
-        s = pipe.stage
-        self.parts = {
-            "env": type(pipe.collector.env), "model": type(pipe.agent),
-            "collector": type(pipe.collector), "logger": type(pipe.logger),
-            "metrics": type(pipe.metrics), "optimizer": s.optimizer, "precision": s.precision,
-            "rollout": s.rollout, "update": s.update}
+    def __init__(self, stage: Stage, agent: torch.nn.Module | None = None) -> None:
+        self.parts = {slot: part for slot, part in stage.components().items()}
         self.ranges: list[tuple[str, str, int, int]] = []
         self.files: dict[str, set[str]] = defaultdict(set)
-        extra = {"model": [type(pipe.agent.value_head)]}
+        extra = {"model": [type(agent.value_head)] if agent is not None else []}
         for slot, part in self.parts.items():
             for obj in _classes(part) + extra.get(slot, []):
                 try:
@@ -338,7 +341,9 @@ def _cost(slot: str, phase_ms: dict, iteration_ms: float | None) -> dict:
 
 class _Watch(TorchFunctionMode):
     """Counts, by call site: tensor factories that leave the device out (or, on CUDA, make CPU
-    tensors), host-to-device copies, clones and the model's layers."""
+    tensors), host-to-device copies, clones made by labkit or user code (not those torch makes
+    inside its own functions), and the model's layers and matmuls (under ``convolution``,
+    ``linear`` and ``matmul``: a layer's call site is the line that called the module)."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -357,9 +362,11 @@ class _Watch(TorchFunctionMode):
                     and src.device.type == "cpu" and dst.device.type == "cuda":
                 self.counts["host_to_device"][call_site(1)] += 1
         elif name in _CLONES:
-            self.counts["clone"][call_site(1)] += 1
+            site = call_site(1)
+            if " via " not in site:  # a clone inside torch's own code is not the code's
+                self.counts["clone"][site] += 1
         elif name in _LAYERS:
-            self.counts["layer"][call_site(1)] += 1
+            self.counts[_LAYERS[name]][call_site(1)] += 1
         return out
 
     def _factory(self, name: str, args: tuple, kwargs: dict, out: object) -> None:
@@ -391,14 +398,15 @@ def _watched(pipe: Pipeline) -> tuple[dict, dict]:
     return w_roll.counts, w_learn.counts
 
 
-def _metered(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter, Counter, Counter]:
-    """One iteration under the sync meter (with call sites) and the profiler."""
-    box: list = []
+def _metered(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter]:
+    """One iteration under the sync meter, with call sites: (rollout meter, learn meter)."""
     with SyncMeter(call_sites=True) as m_roll:
-        p_roll = profile_calls(lambda: box.append(pipe.rollout()), pipe.device)
+        batch = pipe.rollout()
+    synchronize(pipe.device)
     with SyncMeter(call_sites=True) as m_learn:
-        p_learn = profile_calls(lambda: pipe.learn(box.pop()), pipe.device)
-    return m_roll, m_learn, op_counts(p_roll), op_counts(p_learn)
+        pipe.learn(batch)
+    synchronize(pipe.device)
+    return m_roll, m_learn
 
 
 _CONTAINERS = (list, tuple, dict, deque, set)
@@ -582,30 +590,33 @@ def _memory_findings(snaps: list[dict], parts: _Parts, phase_ms: dict, it_ms: fl
     return findings
 
 
-def _excess_findings(ops: tuple[Counter, Counter], base: tuple[Counter, Counter],
-                     watch: tuple[dict, dict], cfg: RunConfig, parts: _Parts,
-                     phase_ms: dict, it_ms: float | None) -> list[Finding]:
+def _excess_findings(watch: tuple[dict, dict], base: tuple[dict, dict], cfg: RunConfig,
+                     parts: _Parts, phase_ms: dict, it_ms: float | None) -> list[Finding]:
+    """``excess_ops``: the watched iteration's clones and model work against the clean
+    stage's, per rollout step and per minibatch step."""
     n_steps = cfg.n_steps
     n_mb = cfg.ppo.update_epochs * cfg.ppo.n_minibatches
     findings = []
-    for names, label, watch_key in ((_COPY_OPS, "clones", "clone"),
-                                    (_MODEL_OPS, "model work (convolutions, matmuls)", "layer")):
+    for names, label in _EXCESS:
         excess = {}
-        for where, mine, clean, unit, per in (("rollout", ops[0], base[0], "per step", n_steps),
-                                              ("update", ops[1], base[1], "per minibatch", n_mb)):
+        for where, mine, clean, unit, per in (("rollout", watch[0], base[0], "per step", n_steps),
+                                              ("update", watch[1], base[1], "per minibatch",
+                                               n_mb)):
             for op in names:
-                a, b = mine.get(op, 0), clean.get(op, 0)
+                a = sum(mine.get(op, Counter()).values())
+                b = sum(clean.get(op, Counter()).values())
                 if (a - b) / per >= 1 and a >= 1.2 * b:
                     excess[f"{op} {unit} ({where})"] = {"this stage": round(a / per, 2),
                                                         "clean stage": round(b / per, 2)}
         if not excess:
             continue
-        groups, _ = _group_sites(watch[0].get(watch_key, Counter()),
-                                 watch[1].get(watch_key, Counter()), n_steps, parts)
+        groups, _ = _group_sites(sum((watch[0].get(op, Counter()) for op in names), Counter()),
+                                 sum((watch[1].get(op, Counter()) for op in names), Counter()),
+                                 n_steps, parts)
         rows = sorted((r for rs in groups.values() for r in rs),
                       key=lambda r: -(r["per_step"] * n_steps + r["per_update"]))
         slot = next((s for s, rs in groups.items() if rows and rows[0] in rs), "user code")
-        if watch_key == "clone":
+        if names == ("clone",):
             chapter, fix = parts.fix(slot)[0], _COPIES_FIX
         else:
             chapter, fix = _MODEL_WORK_FIX
@@ -618,18 +629,17 @@ def _excess_findings(ops: tuple[Counter, Counter], base: tuple[Counter, Counter]
     return findings
 
 
-_BASELINES: dict[tuple, tuple[Counter, Counter]] = {}
+_BASELINES: dict[tuple, tuple[dict, dict]] = {}
 
 
-def _baseline_ops(twin: Stage, cfg: RunConfig, device: torch.device) -> tuple[Counter, Counter]:
-    """Op counts of one rollout and one learn of the clean stage ``twin`` at the same sizes
-    (cached per process)."""
+def _baseline_ops(twin: Stage, cfg: RunConfig, device: torch.device) -> tuple[dict, dict]:
+    """The watched counts of one rollout and one learn of the clean stage ``twin`` at the same
+    sizes (cached per process)."""
     key = (twin.name, str(device), repr(cfg.to_dict()))
     if key not in _BASELINES:
         with Pipeline(twin, cfg, device) as clean:
             warmup(clean)
-            _, _, roll, learn = _metered(clean)
-        _BASELINES[key] = (roll, learn)
+            _BASELINES[key] = _watched(clean)
     return _BASELINES[key]
 
 
@@ -702,8 +712,15 @@ def diagnose(target: Pipeline | Stage | int | str, iterations: int = 2,
     if isinstance(target, Pipeline) and not report.graphs_off:
         pipe, saved = target, target.state_dict()
     else:
+        check_memory(cfg, device)  # a size that cannot fit is the caller's error, not a finding
         group = target.group if isinstance(target, Pipeline) else SINGLE
-        pipe, saved = Pipeline(eager, cfg, device, group=group), None
+        try:
+            pipe, saved = Pipeline(eager, cfg, device, group=group), None
+        except Exception as err:  # a component that cannot even be built: a finding too
+            report.findings.append(_error_finding(err, _Parts(eager), "building the pipeline"))
+            report.notes.append("stopped while building the pipeline: a component raised, so "
+                                "nothing could be measured")
+            return report
         if isinstance(target, Pipeline):
             pipe.load_state_dict(target.state_dict())
     try:
@@ -719,7 +736,7 @@ def diagnose(target: Pipeline | Stage | int | str, iterations: int = 2,
 def _diagnose(pipe: Pipeline, report: Report, iterations: int, baseline: bool) -> None:
     from torch._dynamo.exc import TorchDynamoException
 
-    parts = _Parts(pipe)
+    parts = _Parts(pipe.stage, pipe.agent)
     cfg, device, n_steps = pipe.cfg, pipe.device, pipe.cfg.n_steps
     times, phases, snaps = [], [], []
     step = "the warmup"
@@ -734,7 +751,7 @@ def _diagnose(pipe: Pipeline, report: Report, iterations: int, baseline: bool) -
             phases.append(ms)
             snaps.append(_memory(pipe))
         step = "the metered iteration"
-        m_roll, m_learn, ops_roll, ops_learn = _metered(pipe)
+        m_roll, m_learn = _metered(pipe)
         snaps.append(_memory(pipe))
         graphs1, breaks1, _ = _dynamo_state()
         watch = _watched(pipe)
@@ -769,9 +786,8 @@ def _diagnose(pipe: Pipeline, report: Report, iterations: int, baseline: bool) -
     findings += _memory_findings(snaps, parts, phase_ms, it_ms)
     twin = without_graphs(STAGES[pipe.stage.index])  # the clean stage, judged the same way
     if baseline:
-        base = (ops_roll, ops_learn) if pipe.stage == twin else _baseline_ops(twin, cfg, device)
-        findings += _excess_findings((ops_roll, ops_learn), base, watch, cfg, parts,
-                                     phase_ms, it_ms)
+        base = watch if pipe.stage == twin else _baseline_ops(twin, cfg, device)
+        findings += _excess_findings(watch, base, cfg, parts, phase_ms, it_ms)
     new_graphs = graphs1 - graphs0
     if new_graphs:
         reasons, slot = _dynamo_reasons(reasons0, parts)
@@ -787,12 +803,12 @@ def _diagnose(pipe: Pipeline, report: Report, iterations: int, baseline: bool) -
             "graph_break", "the compiled code", f"{sum(breaks.values())} graph breaks after warmup",
             {"reasons": [f"{n} x {r}" for r, n in breaks.most_common()]},
             _cost("model", phase_ms, it_ms), *_COMPILE_FIX))
-    clean_precision = twin.precision(device)
-    if pipe.precision == "fp32" and clean_precision != "fp32":
+    clean_precision = twin.precision(device).name
+    if pipe.precision.name == "fp32" and clean_precision != "fp32":
         findings.append(Finding(
             "precision", parts.describe("precision"),
             f"the update runs in fp32; on this device the clean stage runs {clean_precision}",
-            {"precision": pipe.precision, "clean_stage_precision": clean_precision,
+            {"precision": pipe.precision.name, "clean_stage_precision": clean_precision,
              "device": str(device)},
             _cost("precision", phase_ms, it_ms), *_SLOT_FIX["precision"]))
 

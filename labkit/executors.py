@@ -11,6 +11,7 @@ An executor only wraps functions it is handed; the code that calls them never ch
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,15 @@ from typing import Any
 import torch
 
 from .capture import CapturedStep, tree_map
+
+# labkit's fp32 is torch's default fp32: float32 matmuls in full precision ("ieee"), not TF32,
+# so that every fp32 stage computes the same numbers and reduced precision enters the ladder
+# in one place, stage 7's bf16 (chapter 08). Inductor advises TF32 once per process on GPUs
+# that have it (sm >= 8.0) at the first fp32 compile; labkit's choice is made, so the advice
+# is silenced, for that one message only. To run fp32 matmuls as TF32 anyway:
+# torch.backends.cuda.matmul.fp32_precision = "tf32" (then no advice is given either).
+warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores for float32 matrix "
+                                          "multiplication available but not enabled")
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from .envs import ForageTorch
 from .logging import AsyncLogger
 from .metrics import DeviceEpisodeStats
 from .policy import HIDDEN, Agent, PopArtValueHead
+from .precision import Amp, Precision
 from .rollout import DeviceCollector
 from .stages import Stage, get_stage
 from .update import Adam
@@ -237,15 +238,17 @@ class BranchyAgent(Agent):
 # ---------------------------------------------------------------------------- precision
 
 
-def amp_off(device: torch.device) -> str:
+@dataclass(frozen=True, repr=False)
+class AmpOff(Amp):
     """Mixed precision switched off: fp32 on a GPU that has bf16. In the journey report
     someone turned AMP off to dodge the GradScaler's sync, and the update ran 2x slower: fp32
     moves twice the bytes of fp16. (On the CPU, labkit's ``amp`` is fp32 anyway, so this plant
     needs CUDA.)"""
-    return "fp32"  # planted: no autocast
 
+    requires: tuple[str, ...] = ("cuda",)
 
-amp_off.requires = ("cuda",)
+    def __call__(self, device: torch.device) -> Precision:
+        return Precision("fp32", device.type)  # planted: no autocast
 
 
 # ---------------------------------------------------------------------------- the list
@@ -261,7 +264,7 @@ class Plant:
     name: str
     slot: str
     part: Any
-    varies: Any
+    varies: type
     finds: str
     report: str
     bug: Any = None
@@ -301,14 +304,12 @@ PLANTS: dict[str, Plant] = {p.name: p for p in (
     Plant("duplicate_forward", "model", TwiceAgent, Agent, "excess_ops", "trainer2"),
     Plant("branchy_value_head", "model", BranchyAgent, Agent, "graph_break", "journey",
           bug=BranchyValueHead),
-    Plant("amp_off", "precision", amp_off, None, "precision", "journey"),
+    Plant("amp_off", "precision", AmpOff(), Amp, "precision", "journey"),
 )}
 PLANT_NAMES = tuple(PLANTS)
 
 
-def _holds(current: Any, base: Any) -> bool:
-    if base is None:
-        return True
+def _holds(current: Any, base: type) -> bool:
     if isinstance(base, type) and isinstance(current, type):
         return issubclass(current, base)
     return isinstance(current, base)

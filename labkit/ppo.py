@@ -6,7 +6,6 @@ replayed as CUDA graphs, and metered with :class:`labkit.syncmeter.SyncMeter`.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
@@ -17,6 +16,9 @@ from torch import nn
 
 from labkit import debug
 from labkit.envs.spec import check_int
+from labkit.precision import Precision
+
+FP32 = Precision()  # minibatch_step's default: no autocast, a plain backward and step
 
 
 @dataclass
@@ -194,32 +196,24 @@ def minibatch_step(mb: Batch, *, loss_fn: LossFn, optimizer: torch.optim.Optimiz
                    params: list[torch.Tensor], max_grad_norm: float,
                    clip_grad: Callable[[Iterable[torch.Tensor], float], torch.Tensor]
                    = fused_clip_grad_norm_,
-                   autocast: Callable[[], contextlib.AbstractContextManager]
-                   = contextlib.nullcontext,
-                   scaler: torch.amp.GradScaler | None = None) -> dict[str, torch.Tensor]:
+                   precision: Precision = FP32) -> dict[str, torch.Tensor]:
     """One optimizer step on one minibatch: loss, backward, grad clip, optimizer step.
 
     ``loss_fn(obs, actions, logprobs, advantages, returns, values) -> (loss, stats)`` is
-    :func:`ppo_loss` bound to the agent (eager or compiled). ``autocast`` wraps the forward and
-    loss only; ``scaler`` (fp16 only) scales the loss and unscales before clipping.
-    Returns the loss stats and ``grad_norm`` (before clipping) as 0-d tensors.
+    :func:`ppo_loss` bound to the agent (eager or compiled). ``precision``
+    (:class:`labkit.precision.Precision`) runs the forward and loss under its autocast, and the
+    backward, the unscaling before the clip and the step its way (through a GradScaler for
+    fp16). Returns the loss stats and ``grad_norm`` (before clipping) as 0-d tensors.
     """
-    with autocast():
+    with precision.autocast():
         loss, stats = loss_fn(mb.obs, mb.actions, mb.logprobs, mb.advantages, mb.returns,
                               mb.values)
     debug.check(losses=loss)
     optimizer.zero_grad(set_to_none=True)
-    if scaler is None:
-        loss.backward()
-        debug.check_grads(params)
-        stats["grad_norm"] = clip_grad(params, max_grad_norm)
-        optimizer.step()
-    else:
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        stats["grad_norm"] = clip_grad(params, max_grad_norm)
-        scaler.step(optimizer)  # an unfused optimizer makes it read found-inf on the host
-        scaler.update()
+    precision.backward(loss)
+    precision.unscale_(optimizer, params)
+    stats["grad_norm"] = clip_grad(params, max_grad_norm)
+    precision.step(optimizer)
     return stats
 
 

@@ -41,9 +41,10 @@ from .logging import AsyncLogger, SyncLogger
 from .metrics import DeviceEpisodeStats, EagerEpisodeStats
 from .policy import Agent, sample_action
 from .ppo import Batch, anneal_lr, gae
+from .precision import Fp32, amp, fp32
 from .rollout import DeviceCollector, HostBatchedCollector, PerEnvCollector, Rollout
 from .timing import PhaseClock
-from .update import Adam, FusedAdam, amp, build_update, fp32
+from .update import Adam, FusedAdam, build_update
 
 #: What each name in a component's ``requires`` means, and the skip reason when it is missing.
 REQUIREMENTS = {
@@ -66,7 +67,7 @@ class Stage:
     logger: type = SyncLogger
     metrics: type = EagerEpisodeStats
     optimizer: Adam = Adam()
-    precision: Any = fp32
+    precision: Fp32 = fp32
     rollout: Eager | Graphed = Eager()
     update: Eager | Graphed = Eager()
 
@@ -108,7 +109,8 @@ def _ladder() -> tuple[Stage, ...]:
                  optimizer=FusedAdam(), precision=amp)
     s8 = replace(s7, index=8, name="cuda_graphs",
                  lesson="replay rollout step and update as CUDA graphs",
-                 rollout=Graphed(s7.rollout), update=Graphed(s7.update, requires=("cuda", "bf16")))
+                 optimizer=FusedAdam(capturable=True), rollout=Graphed(s7.rollout),
+                 update=Graphed(s7.update, requires=("cuda", "bf16")))
     return (s0, s1, s2, s3, s4, s5, s6, s7, s8)
 
 

@@ -282,12 +282,29 @@ def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
     """
     if stop_after is not None:
         check_int("stop_after", stop_after, 1)
-    group = join()
+    group = join(_device_type(cfg, Path(out), resume))
     try:
         with debug.enable(debug_checks or debug.enabled()):
             return _train(cfg, Path(out), resume, progress, stop_after, tensorboard, group)
     finally:
         leave(group)
+
+
+def _device_type(cfg: TrainConfig | None, out: Path, resume: bool) -> str:
+    """The type of device the run trains on, known before any rank talks to another: from
+    ``cfg``, or for ``resume`` from the run's config.json (every rank sees the folder). Where
+    that cannot be read, "auto"'s choice; rank 0 then reports what is wrong with the folder."""
+    device = cfg.device if cfg is not None else "auto"
+    if cfg is None and resume:
+        try:
+            saved = json.loads((out / CONFIG).read_text(encoding="utf-8")).get("device")
+            device = saved if isinstance(saved, str) and _device_syntax_ok(saved) else device
+        except (OSError, ValueError, AttributeError):
+            pass
+    try:
+        return resolve_device(device).type
+    except ValueError:  # CUDA named but absent: check_runnable says so in one line
+        return "cpu"
 
 
 def _train(cfg: TrainConfig | None, out: Path, resume: bool, progress: bool,

@@ -1,6 +1,7 @@
 """labkit doctor: every planted regression is found, with its evidence and chapter; the clean
 final stage yields nothing; stage 0 yields its host reads; a graphed stage is diagnosed without
 its graphs; the CLI's exit codes and JSON."""
+import copy
 import dataclasses
 import json
 
@@ -9,7 +10,7 @@ import torch
 
 from labkit import cli, plants
 from labkit.config import RunConfig
-from labkit.doctor import KINDS, Finding, diagnose, without_graphs
+from labkit.doctor import KINDS, Finding, _Watch, diagnose, without_graphs
 from labkit.envs import ForageTorch
 from labkit.executors import Compiled, Eager, Graphed
 from labkit.metrics import DeviceEpisodeStats
@@ -35,9 +36,15 @@ CHAPTERS = {
 }
 
 
+#: Where each plant is diagnosed: amp_off on CUDA when there is one (on the CPU it is skipped).
+DEVICES = {name: CPU for name in PLANTS} | {
+    "amp_off": torch.device("cuda" if torch.cuda.is_available() else "cpu")}
+
+
 @pytest.fixture(scope="module")
 def reports():
-    return {name: diagnose(plant("fused_amp", name), cfg=RUN, device=CPU) for name in PLANTS}
+    return {name: diagnose(plant("fused_amp", name), cfg=RUN, device=DEVICES[name])
+            for name in PLANTS}
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +123,25 @@ def test_unbounded_buffer_grows_by_one_tensor_per_step(reports):
 
 def test_excess_ops_against_the_clean_stage(reports):
     (clones,) = _findings(reports["clone_overuse"], "excess_ops")
-    assert clones.evidence["ops"]["aten::clone per step (rollout)"] == \
+    assert clones.evidence["ops"]["clone per step (rollout)"] == \
         {"this stage": 7, "clean stage": 0}
     assert {_where(s["site"]) for s in clones.evidence["sites"]} == _lines("clone_overuse")
     (twice,) = _findings(reports["duplicate_forward"], "excess_ops")
-    conv = twice.evidence["ops"]["aten::convolution per step (rollout)"]
+    conv = twice.evidence["ops"]["convolution per step (rollout)"]
     assert round(conv["this stage"] - conv["clean stage"], 2) == 2  # the body's convs again
+    assert twice.where == "the model (TwiceAgent)"
+
+
+def test_the_watch_counts_the_codes_own_clones_not_torchs():
+    """Clones that torch makes inside its own functions (or, compiled, inside its graphs: their
+    number changed between torch 2.11 and 2.13) are not the code's: only a clone called from
+    labkit or user code counts."""
+    x = torch.ones(3)
+    with _Watch(CPU) as w:
+        x.clone()
+        copy.deepcopy(x)  # torch/_tensor.py clones inside
+    (site,) = w.counts["clone"]
+    assert site.startswith("tests/test_doctor.py:") and w.counts["clone"][site] == 1
 
 
 def test_branchy_value_head_breaks_the_compiled_loss(reports):
@@ -134,10 +154,22 @@ def test_branchy_value_head_breaks_the_compiled_loss(reports):
 
 def test_amp_off_needs_cuda(reports):
     report = reports["amp_off"]
-    if torch.cuda.is_available():
-        assert "precision" in report.kinds
+    if torch.cuda.is_available():  # diagnosed on the GPU: fp32 where the clean stage is not
+        assert report.status == "ok" and report.device.startswith("cuda")
+        (f,) = _findings(report, "precision")
+        assert f.where == "the precision (AmpOff)" and f.evidence["precision"] == "fp32"
+        assert f.evidence["clean_stage_precision"] in ("bf16", "fp16")
     else:
         assert report.status == "skipped: needs CUDA" and report.findings == []
+
+
+def test_stage_7_runs_with_the_amp_off_precision_on_any_device():
+    """The plant's precision is a Precision like every other (it was the string "fp32", which
+    crashed the update on every GPU): stage 7 with it runs, here on the CPU."""
+    part = dataclasses.replace(PLANTS["amp_off"].part, requires=())
+    with Pipeline(dataclasses.replace(get_stage(7), precision=part), RUN, CPU) as p:
+        stats = p.iteration()
+        assert p.precision.name == "fp32" and torch.isfinite(stats["grad_norm"])
 
 
 def test_the_clean_final_stage_has_no_findings(clean):
@@ -231,7 +263,7 @@ def test_a_graphed_stage_is_diagnosed_without_its_graphs():
     assert report.graphs_off and "without its CUDA graphs" in report.format().splitlines()[0]
     (f,) = report.findings
     assert f.kind == "excess_ops" and f.where == "the env (CloningForage)"
-    assert f.evidence["ops"]["aten::clone per step (rollout)"]["clean stage"] == 0
+    assert f.evidence["ops"]["clone per step (rollout)"]["clean stage"] == 0
     # A built graphed pipeline: diagnosed as an eager copy, itself untouched. Unfused Adam's
     # reads would fail the update's capture on a GPU; without graphs they are counted.
     with Pipeline(plant(anywhere, "unfused_adam"), RUN, CPU) as p:
@@ -258,6 +290,21 @@ def test_an_error_in_the_stage_is_a_finding_not_a_traceback():
     assert f.evidence["user_code"][-1].startswith("tests/test_doctor.py:")
     assert report.notes == ["stopped in the warmup: the stage's code raised, so the rest could "
                             "not be measured"]
+
+
+class _UnbuildableMetrics(DeviceEpisodeStats):
+    def __init__(self, device="cpu"):
+        raise AttributeError("'str' object has no attribute 'autocast'")
+
+
+def test_a_component_that_cannot_be_built_is_a_finding_not_a_traceback():
+    stage = dataclasses.replace(get_stage("fused_amp"), name="unbuildable",
+                                metrics=_UnbuildableMetrics)
+    report = diagnose(stage, cfg=RUN, device=CPU)
+    (f,) = report.findings
+    assert f.kind == "error" and f.where == "the metrics (_UnbuildableMetrics)"
+    assert f.summary.startswith("the stage raised in building the pipeline: AttributeError")
+    assert report.notes and report.notes[0].startswith("stopped while building the pipeline")
 
 
 def test_plant_refuses_a_slot_it_is_not_a_variant_of():
@@ -305,11 +352,13 @@ def test_cli_text_output(capsys):
     assert "notebooks/07_metrics_on_the_device.ipynb" in text
 
 
-def test_cli_skipped_plant_exits_0(capsys):
-    if torch.cuda.is_available():
-        pytest.skip("amp_off runs on CUDA")
-    assert main([*SMALL, "--plant", "amp_off"]) == 0
+def test_cli_amp_off_is_skipped_on_the_cpu_and_found_on_cuda(capsys):
+    assert main([*SMALL, "--plant", "amp_off"]) == 0  # SMALL says --device cpu
     assert "skipped: needs CUDA" in capsys.readouterr().out
+    if torch.cuda.is_available():
+        cuda = ["--device", "cuda", *SMALL[2:]]
+        assert main([*cuda, "--plant", "amp_off"]) == 1
+        assert "[precision] the precision (AmpOff)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -122,6 +122,34 @@ def test_two_ranks_keep_identical_parameters_and_count_all_steps(two_rank_run):
     assert not torch.equal(env0["grid"], env1["grid"])  # each rank steps its own envs
 
 
+def test_the_process_group_follows_the_runs_device(monkeypatch):
+    """A CPU run under torchrun uses gloo and never touches CUDA, even on a GPU machine (rank
+    1 of two on a one-GPU box once asked for cuda:1); a CUDA run with more ranks on a node
+    than GPUs is refused in one line."""
+    from labkit import distributed
+
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group",
+                        lambda backend: calls.append(("init", backend)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    group = distributed.join("cpu")
+    assert (group.rank, group.world, group.local_rank) == (1, 2, 1)
+    assert calls == [("init", "gloo")]
+    with pytest.raises(ValueError, match=r"LOCAL_RANK 1 has no GPU: this node has 1 CUDA "
+                                         r"device\(s\).*--nproc-per-node 1"):
+        distributed.join("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    calls.clear()
+    distributed.join("cuda")
+    assert calls == [("set_device", 1), ("init", "cpu:gloo,cuda:nccl")]
+
+
 def test_each_rank_steps_its_own_slice_of_the_global_envs():
     """Rank r of a run of N envs per rank steps global env indices r*N .. r*N + N - 1: rank 1
     of two starts where envs 8-15 of one 16-env pipeline start."""

@@ -16,8 +16,9 @@ from labkit.ppo import (
     ppo_update,
     set_lr,
 )
+from labkit.precision import PRECISIONS, Precision, ScaledPrecision, amp, fp32
 from labkit.syncmeter import SyncMeter
-from labkit.update import Adam, FusedAdam, Precision, amp, fp32
+from labkit.update import Adam, FusedAdam
 
 CPU = torch.device("cpu")
 
@@ -248,15 +249,45 @@ def test_lr_annealing_in_place():
 
 def test_optimizer_and_precision_components():
     fused = FusedAdam()(Agent().parameters(), PPOConfig(), CPU)
-    assert fused.defaults["fused"] and not fused.defaults["capturable"]  # capturable on CUDA
+    assert fused.defaults["fused"] and not fused.defaults["capturable"]
     assert isinstance(fused.param_groups[0]["lr"], torch.Tensor)
+    # capturable only where a CUDA graph captures the step (stage 8), and only on CUDA
+    assert not FusedAdam(capturable=True)(Agent().parameters(), PPOConfig(),
+                                          CPU).defaults["capturable"]
     plain = Adam()(Agent().parameters(), PPOConfig(), CPU)
     assert not plain.defaults["fused"] and isinstance(plain.param_groups[0]["lr"], float)
     assert FusedAdam.clip_grad is not Adam.clip_grad
-    assert fp32(CPU) == amp(CPU) == "fp32"  # no bf16 autocast on the CPU
-    assert fp32(CPU).scaler(CPU) is None and Precision("fp16").scaler(CPU) is not None
+    assert fp32(CPU).name == amp(CPU).name == "fp32"  # no bf16 autocast on the CPU
+    assert isinstance(ScaledPrecision("fp16", "cpu").scaler, torch.amp.GradScaler)
     with pytest.raises(ValueError, match="precision must be one of"):
         Precision("fp8")
+
+
+@pytest.mark.parametrize("make", [lambda: fp32(CPU), lambda: amp(CPU),
+                                  lambda: Precision("bf16", "cpu"),
+                                  lambda: ScaledPrecision("fp16", "cpu")],
+                         ids=["fp32", "amp", "bf16", "fp16+scaler"])
+def test_every_precision_runs_the_same_minibatch_step(make):
+    """One interface: the step calls autocast/backward/unscale_/step whatever the precision
+    (the amp_off plant once returned the string "fp32", which has none of them)."""
+    from labkit.ppo import minibatch_step
+
+    precision = make()
+    assert precision.name in PRECISIONS and str(precision) == precision.name
+    agent = Agent()
+    before = [p.detach().clone() for p in agent.parameters()]
+    optimizer = FusedAdam()(agent.parameters(), PPOConfig(), CPU)
+    n = 32
+    gen = torch.Generator().manual_seed(0)
+    mb = Batch(obs=torch.rand(n, 3, 7, 7, generator=gen),
+               actions=torch.randint(0, 5, (n,), generator=gen),
+               logprobs=torch.full((n,), -1.6), advantages=torch.randn(n, generator=gen),
+               returns=torch.randn(n, generator=gen), values=torch.zeros(n))
+    stats = minibatch_step(mb, loss_fn=lambda *a: ppo_loss(agent, *a, cfg=PPOConfig()),
+                           optimizer=optimizer, params=list(agent.parameters()),
+                           max_grad_norm=0.5, precision=precision)
+    assert torch.isfinite(stats["grad_norm"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, agent.parameters()))
 
 
 @pytest.mark.parametrize("field,value", [

@@ -1,15 +1,27 @@
-"""make record / labkit report: one record writes every promised file with one commit, and the
-README's results section is the report generator's output, byte for byte."""
+"""make record / labkit report: one record writes every promised file with one commit; parts
+recorded one by one merge into what one run writes and keep their rows when interrupted; the
+plan fits each GPU command in its budget; the README's results section is the report
+generator's output, byte for byte."""
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from labkit import cli
 from labkit.record import (
+    PART_BUDGET_MIN,
     README_BEGIN,
     README_END,
     RecordError,
+    commands,
+    estimates,
+    format_plan,
+    plan,
     readme_section,
     record,
     results_markdown,
@@ -23,15 +35,16 @@ def recorded(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
     said = []
     seconds = record(torch.device("cpu"), "tiny", out,
-                     parts=("ladder", "bench_env", "learning", "report"), notebooks="none",
-                     allow_dirty=True, stages=["batched_ops", "async_logging"],
+                     parts=("ladder", "scaling", "bench_env", "learning", "report"),
+                     notebooks="none", allow_dirty=True, stages=["batched_ops", "async_logging"],
                      say=said.append)
     return out, seconds, said
 
 
 def test_record_writes_every_promised_file_with_one_commit(recorded):
     out, seconds, said = recorded
-    assert list(seconds) == ["ladder", "bench_env", "learning", "report"]
+    assert list(seconds) == ["ladder-3", "ladder-4", "scaling-8", "bench_env", "learning",
+                             "report"]
     for name in ("ladder_cpu_tiny.json", "bench_env_cpu_tiny.json", "learning_cpu_tiny.json",
                  "RESULTS.md", "learning_cpu_tiny.png", "ladder_cpu_tiny_ladder.png",
                  "ladder_cpu_tiny_phases.png", "ladder_cpu_tiny_scaling.png"):
@@ -72,3 +85,159 @@ def test_record_refuses_modified_code(monkeypatch, tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(RecordError, match="parts must be among"):
         record(torch.device("cpu"), "tiny", tmp_path, parts=("everything",), allow_dirty=True)
+
+
+# ---------------------------------------------------------------- parts
+
+TWO = ["batched_ops", "async_logging"]
+
+
+def _shape(result: dict) -> tuple:
+    """What must be the same however a ladder file was recorded: its keys, its rows by
+    (section, stage, N), and each row's keys."""
+    rows = {(section, r["stage"], r["n_envs"]): tuple(sorted(r))
+            for section in ("ladder", "scaling") for r in result[section]}
+    return tuple(sorted(result)), rows
+
+
+def _record(out, parts, **kwargs):
+    return record(torch.device("cpu"), "tiny", out, parts=parts, notebooks="none",
+                  allow_dirty=True, stages=TWO, say=lambda line: None, **kwargs)
+
+
+def test_parts_recorded_one_by_one_merge_into_what_one_run_writes(tmp_path):
+    whole, split, apart = tmp_path / "whole", tmp_path / "split", tmp_path / "apart"
+    _record(whole, "ladder,scaling", run="one")
+    for part in ("ladder-3", "ladder-4", "scaling-8"):  # three commands, one run
+        _record(split, part, run="same")
+    _record(apart, "ladder-3")  # two commands, each its own run
+    _record(apart, "scaling,ladder-4")
+    name = "ladder_cpu_tiny.json"
+    a, b, c = (json.loads((d / name).read_text()) for d in (whole, split, apart))
+    assert _shape(a) == _shape(b) == _shape(c)
+    assert [(r["stage"], r["n_envs"]) for r in a["ladder"]] == [(3, 8), (4, 8)]
+    assert [(r["stage"], r["n_envs"]) for r in a["scaling"]] == [(3, 8), (4, 8)]
+    assert set(a["runs"]) == {"one"} and set(b["runs"]) == {"same"} and len(c["runs"]) == 2
+    assert b["runs"]["same"]["parts"] == ["ladder-3", "ladder-4", "scaling-8"]
+    # ratios divide rows of one run only
+    for result in (a, b):
+        assert result["ladder"][1]["x_vs_prev"] == pytest.approx(
+            result["ladder"][1]["sps"] / result["ladder"][0]["sps"])
+    assert c["ladder"][1]["x_vs_prev"] is None
+    assert "come from 2 runs" in results_markdown(apart)
+    # a part recorded again replaces its rows and keeps the others
+    _record(split, "ladder-4", run="again")
+    d = json.loads((split / name).read_text())
+    assert [r["run"] for r in d["ladder"]] == ["same", "again"] and _shape(d) == _shape(b)
+    log = json.loads((split / "record_log_cpu_tiny.json").read_text())["parts"]
+    assert {k: v["status"] for k, v in log.items()} == dict.fromkeys(
+        ("ladder-3", "ladder-4", "scaling-8"), "done")
+    assert log["ladder-4"]["run"] == "again" and log["ladder-4"]["seconds"] > 0
+
+
+def test_an_interrupted_part_keeps_its_finished_rows(tmp_path, monkeypatch):
+    import labkit.bench
+
+    measure = labkit.bench.measure_stage
+
+    def stopped_at_stage_4(stage, *args, **kwargs):
+        if stage.index == 4:
+            raise KeyboardInterrupt
+        return measure(stage, *args, **kwargs)
+
+    monkeypatch.setattr(labkit.bench, "measure_stage", stopped_at_stage_4)
+    with pytest.raises(KeyboardInterrupt):
+        _record(tmp_path, "ladder", run="cut")
+    result = json.loads((tmp_path / "ladder_cpu_tiny.json").read_text())
+    assert [r["stage"] for r in result["ladder"]] == [3] and result["ladder"][0]["sps"] > 0
+    assert result["runs"]["cut"]["interrupted"] == {"signal": "SIGINT", "part": "ladder-4"}
+    assert (tmp_path / "ladder_cpu_tiny_ladder.png").stat().st_size > 0
+    log = json.loads((tmp_path / "record_log_cpu_tiny.json").read_text())["parts"]
+    assert (log["ladder-3"]["status"], log["ladder-4"]["status"]) == ("done", "interrupted")
+    # the rest, recorded later, completes the file
+    monkeypatch.setattr(labkit.bench, "measure_stage", measure)
+    _record(tmp_path, "ladder-4", run="cut")
+    result = json.loads((tmp_path / "ladder_cpu_tiny.json").read_text())
+    assert [r["stage"] for r in result["ladder"]] == [3, 4]
+
+
+def test_a_signal_during_record_keeps_the_rows_and_exits_128_plus_n(tmp_path):
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "labkit", "record", "--device", "cpu", "--profile", "tiny",
+           "--part", "ladder-3,ladder-4,ladder-5,ladder-6", "--allow-dirty", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    path = out / "ladder_cpu_tiny.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if json.loads(path.read_text())["ladder"]:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "interrupted by SIGTERM" in err and "Traceback" not in err
+    result = json.loads(path.read_text())
+    assert 1 <= len(result["ladder"]) < 4
+    (run,) = result["runs"].values()
+    assert run["interrupted"]["signal"] == "SIGTERM"
+
+
+def test_the_plan_fits_every_command_in_the_budget(tmp_path, capsys):
+    cuda = torch.device("cuda")  # only named: nothing runs
+    parts = plan("full")
+    text = format_plan(parts, cuda, "full", tmp_path)
+    rows = estimates(parts, cuda, "full", tmp_path)
+    assert all(minutes is not None for _, minutes, _ in rows)  # every GPU part is estimated
+    groups = commands(rows)
+    assert [n for names, _ in groups for n in names] == [p.name for p in parts]
+    assert all(minutes <= PART_BUDGET_MIN for _, minutes in groups)
+    assert "estimate (op counts; not measured)" in text
+    assert f"--part {','.join(groups[0][0])}" in text
+    # a part that ran is shown with its measured time instead
+    (tmp_path / "record_log_cuda_full.json").write_text(json.dumps({"parts": {"ladder-0": {
+        "seconds": 120.0, "status": "done", "date": "2026-11-24T10:00:00+00:00",
+        "device_name": "NVIDIA H100"}}}))
+    part, minutes, source = estimates(parts, cuda, "full", tmp_path)[0]
+    assert (part.name, minutes) == ("ladder-0", 2.0) and "measured 2026-11-24" in source
+    # the CLI prints it and runs nothing
+    assert cli.main(["record", "--device", "cpu", "--plan", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("record plan: cpu, profile quick") and "ladder-8" in out
+    assert not (tmp_path / "ladder_cpu_quick.json").exists()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--part", ""], "parts must name at least one part"),
+    (["--part", "ladder-9"], "parts must be among"),
+    (["--run", "a b"], "--run must be 1-64 letters"),
+])
+def test_record_usage_errors_exit_2(tmp_path, capsys, argv, needle):
+    assert cli.main(["record", "--device", "cpu", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+def test_a_run_id_is_refused_on_another_machine(tmp_path):
+    _record(tmp_path, "ladder-3", run="r1")
+    path = tmp_path / "ladder_cpu_tiny.json"
+    data = json.loads(path.read_text())
+    data["runs"]["r1"]["meta"]["torch"] = "1.0.0"
+    path.write_text(json.dumps(data))
+    with pytest.raises(RecordError, match="--run r1 was recorded with"):
+        _record(tmp_path, "ladder-4", run="r1")
+
+
+def test_a_tree_without_git_names_its_commit(monkeypatch):
+    from labkit.device import git_commit, run_metadata
+
+    monkeypatch.setenv("LABKIT_GIT_COMMIT", "0123456789abcdef0123456789abcdef01234567")
+    assert git_commit() == "0123456"
+    meta = run_metadata(torch.device("cpu"))
+    assert meta["git_commit"] == "0123456"
+    assert meta["git_commit_source"].startswith("LABKIT_GIT_COMMIT (the tree was not checked")
+    monkeypatch.setenv("LABKIT_GIT_COMMIT", "")
+    assert run_metadata(torch.device("cpu"))["git_commit_source"] == "git"

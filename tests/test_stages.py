@@ -44,8 +44,10 @@ def test_each_stage_differs_from_the_previous_by_its_lesson():
     assert [s.index for s in STAGES] == list(range(9))
     assert len({s.name for s in STAGES}) == 9
     for prev, cur in zip(STAGES, STAGES[1:]):
-        changed = [k for k, v in cur.components().items() if prev.components()[k] != v]
-        assert 1 <= len(changed) <= 2, (cur.name, changed)
+        changed = {k for k, v in cur.components().items() if prev.components()[k] != v}
+        # stage 8 captures both steps, and a captured optimizer step must be capturable
+        assert 1 <= len(changed) <= 2 or (cur.name, changed) == (
+            "cuda_graphs", {"optimizer", "rollout", "update"}), (cur.name, changed)
 
 
 def test_a_stage_holds_components_only():
@@ -173,7 +175,7 @@ def test_update_of_every_fp32_stage_matches_stage_0():
     ref = _update_result(0, batch)
     for index in range(1, 8):
         with Pipeline(STAGES[index], RUN, CPU) as p:
-            assert p.precision == "fp32"  # AMP is off on the CPU
+            assert p.precision.name == "fp32"  # AMP is off on the CPU
         for a, b in zip(_update_result(index, batch), ref):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 

@@ -1,0 +1,115 @@
+"""Precision: what a stage's update runs in, behind one interface whatever the choice.
+
+A stage's ``precision`` slot holds a component, :class:`Fp32` or :class:`Amp`. Built on a
+device it gives a :class:`Precision`, the object the minibatch step calls:
+
+* ``autocast()`` around the loss's forward (nothing for fp32);
+* ``backward(loss)``, ``unscale_(optimizer, params)`` and ``step(optimizer)``: plain for fp32
+  and bf16; through a GradScaler for fp16 (:class:`ScaledPrecision`), whose small gradients
+  would underflow otherwise.
+
+The step calls the same four methods for every precision, so it never asks which it has.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from . import debug
+from .device import has_bf16
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """fp32 or bf16 on one device type: the loss's forward under ``autocast()``, then a plain
+    backward and optimizer step. ``name`` is what results and reports print."""
+
+    def __init__(self, name: str = "fp32", device_type: str = "cpu") -> None:
+        if name not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {name!r}")
+        self.name = name
+        self.device_type = device_type
+        # cache off: cached casts of the parameters would be stale across graph replays
+        self._autocast = contextlib.nullcontext if name == "fp32" else partial(
+            torch.autocast, device_type, dtype=_DTYPES[name], cache_enabled=False)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.device_type!r})"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context the loss's forward runs in."""
+        return self._autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
+        """Make the gradients true gradients before they are clipped (here they are already),
+        and run the debug checks on them (free when off: see labkit.debug)."""
+        debug.check_grads(params)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+
+class ScaledPrecision(Precision):
+    """fp16 autocast with a GradScaler: the loss is scaled before backward so that small
+    gradients survive fp16, the gradients are unscaled before clipping, and a step whose
+    gradients overflowed is skipped (the scale then shrinks). With an unfused optimizer the
+    scaler reads ``found_inf`` on the host every step; a fused one skips on the device.
+    Non-finite gradients are expected here, so the debug checks leave them to the scaler."""
+
+    def __init__(self, name: str = "fp16", device_type: str = "cuda",
+                 init_scale: float = 2.0**16) -> None:
+        super().__init__(name, device_type)
+        self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+
+@dataclass(frozen=True)
+class Fp32:
+    """The precision slot's default: everything in float32, on every device."""
+
+    requires: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def __call__(self, device: torch.device) -> Precision:
+        return Precision("fp32", device.type)
+
+
+@dataclass(frozen=True, repr=False)
+class Amp(Fp32):
+    """Mixed precision for the loss's forward: bf16 autocast where the GPU has it, fp16 with a
+    GradScaler on older GPUs, fp32 on the CPU, where bf16 matmuls without AMX are slower than
+    fp32 for this small model."""
+
+    def __call__(self, device: torch.device) -> Precision:
+        if device.type != "cuda":
+            return Precision("fp32", device.type)
+        if has_bf16(device):
+            return Precision("bf16", device.type)
+        return ScaledPrecision("fp16", device.type)
+
+
+fp32 = Fp32()
+amp = Amp()
