@@ -1,11 +1,13 @@
 """Device selection with clear errors, and where a result was measured."""
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import platform
 import re
 import subprocess
+from collections.abc import Iterator
 
 import torch
 
@@ -46,6 +48,21 @@ def has_bf16(device: torch.device) -> bool:
     Ampere, or newer; ``torch.cuda.is_bf16_supported()`` also says yes where bf16 is only
     emulated). On the CPU, without AMX, bf16 matmuls are slower than fp32 for this model."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """Inside: cuDNN picks deterministic algorithms and does not autotune, so running the same
+    code twice gives bit-identical results on a GPU too (cuDNN's default backward convolution
+    may add in a different order from run to run); the previous settings after. On the CPU,
+    labkit's kernels are deterministic anyway."""
+    cudnn = torch.backends.cudnn
+    saved = cudnn.deterministic, cudnn.benchmark
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        cudnn.deterministic, cudnn.benchmark = saved
 
 
 def synchronize(device: torch.device) -> None:

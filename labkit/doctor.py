@@ -841,7 +841,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser(
         "doctor", help="run a few iterations under the meters and report regressions",
-        description="Run a stage for a few iterations under the sync meter, the profiler, a "
+        description="Run a stage for a few iterations under the sync meter, a function watch, a "
                     "memory tracker and dynamo's counters; print what regressed and the "
                     "chapter with the fix. Exit 0 without findings, 1 with, 2 on a usage error.")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")

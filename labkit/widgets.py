@@ -20,8 +20,14 @@ def ladder_controls(n_envs: int | None = None, n_steps: int | None = None,
                     stages: tuple[int, ...] | None = None):
     """A small form: device, N, T and stages (all nine; the ones that cannot run on the chosen
     device report why); "Run" measures them with a progress bar, then shows the table, the
-    phases and the bars. On GitHub, where widgets do not run, it shows a one-line note."""
-    import ipywidgets as w
+    phases and the bars. On GitHub, where widgets do not run, it shows a one-line note; so it
+    does where ipywidgets is not installed (and returns None)."""
+    try:
+        import ipywidgets as w
+    except ModuleNotFoundError:
+        print("Ladder controls need ipywidgets (pip install ipywidgets); without them, "
+              "python -m labkit ladder runs the same ladder")
+        return None
     import matplotlib.pyplot as plt
     from IPython.display import display
 

@@ -13,6 +13,7 @@ from labkit.capture import tree_tensors, warmup
 from labkit.config import BenchConfig, RunConfig
 from labkit.envs import ForageSpec
 from labkit.ppo import PPOConfig
+from labkit.precision import Bf16, agrees, update_agreement
 from labkit.stages import STAGES, Pipeline, Stage, StageSkipped, get_stage
 from labkit.syncmeter import SyncMeter
 from labkit.timing import PHASES
@@ -180,12 +181,21 @@ def test_update_of_every_fp32_stage_matches_stage_0():
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("index", [0, 1, 3, 5, 7])
-def test_warmup_then_restore_computes_what_a_fresh_pipeline_computes(index):
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("index, device", [
+    (0, "cpu"), (1, "cpu"), (3, "cpu"), (5, "cpu"), (7, "cpu"),
+    pytest.param(8, "cuda", marks=[needs_cuda, pytest.mark.cuda])])
+def test_warmup_then_restore_computes_what_a_fresh_pipeline_computes(index, device):
     """warmup() runs an iteration and restores the state in place (the same restore a graph
     capture does after its warmup calls): the next iteration is bit-identical to a fresh
-    pipeline's, and the parameters keep their storage."""
-    with Pipeline(STAGES[index], RUN, CPU) as fresh, Pipeline(STAGES[index], RUN, CPU) as p:
+    pipeline's, and the parameters keep their storage. Stage 8 captures its graphs inside the
+    warmup, so its replays must restore and compute the same."""
+    if STAGES[index].skip_reason(torch.device(device)):
+        pytest.skip(STAGES[index].skip_reason(torch.device(device)))
+    with Pipeline(STAGES[index], RUN, device) as fresh, \
+            Pipeline(STAGES[index], RUN, device) as p:
         storage = [t.data_ptr() for t in p.agent.parameters()]
         assert warmup(p) > 0
         assert [t.data_ptr() for t in p.agent.parameters()] == storage
@@ -276,39 +286,121 @@ def test_ladder_twice_does_not_grow_memory():
 
 # ---------------------------------------------------------------- CUDA only
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+def _update_from(stage, batch, device):
+    """(start, after) parameters of one update of ``stage`` on ``batch``."""
+    with Pipeline(stage, RUN, device) as p:
+        start = [t.detach().clone() for t in p.agent.parameters()]
+        p.generator.manual_seed(123)
+        p.update(batch)
+        return start, [t.detach().clone() for t in p.agent.parameters()]
+
+
+def test_a_bf16_update_goes_where_the_fp32_one_goes():
+    """bf16 changes single parameters by as much as Adam's step, so the criterion is the
+    update's direction and size (labkit.precision.AGREEMENT); here bf16 autocast on the CPU,
+    eagerly: the same criterion stage 7 meets against stage 4 on a bf16 GPU."""
+    with Pipeline(STAGES[3], RUN, CPU) as p:
+        batch = p.rollout()
+    start, fp32 = _update_from(STAGES[4], batch, CPU)
+    start2, bf16 = _update_from(dataclasses.replace(STAGES[4], precision=Bf16()), batch, CPU)
+    assert all(torch.equal(a, b) for a, b in zip(start, start2))
+    agreement = update_agreement(start, fp32, bf16)
+    assert agrees(agreement), agreement
+    assert agreement["relative_l2"] > 0  # bf16 really ran: not the fp32 update again
+    assert not agrees(update_agreement(start, fp32, [2 * b - a for a, b in zip(start, bf16)]))
 
 
 @needs_cuda
 @pytest.mark.cuda
 def test_cuda_amp_and_graphed_updates_match_fp32_within_tolerance():
-    """bf16 autocast changes the forward's rounding: after one update (16 Adam steps at
-    lr 2.5e-4) parameters stay within 2e-3 absolute of the fp32 result; the graphed update
-    replays the same bf16 math, so it matches stage 7 to float32 rounding."""
+    """Stage 7's bf16 update goes where stage 4's fp32 one goes (direction and size:
+    labkit.precision.AGREEMENT); the graphed update replays the same bf16 math, so it matches
+    stage 7 to float32 rounding."""
     cuda = torch.device("cuda")
     if STAGES[8].skip_reason(cuda):
         pytest.skip(STAGES[8].skip_reason(cuda))
     with Pipeline(STAGES[3], RUN, cuda) as p:
         batch = p.rollout()
-    fp32, amp, graphed = (_update_result(i, batch, cuda) for i in (4, 7, 8))
-    for a, b, c in zip(fp32, amp, graphed):
-        torch.testing.assert_close(b, a, rtol=0, atol=2e-3)
+    (start, fp32), (_, amp), (_, graphed) = (_update_from(STAGES[i], batch, cuda)
+                                             for i in (4, 7, 8))
+    agreement = update_agreement(start, fp32, amp)
+    assert agrees(agreement), agreement
+    for b, c in zip(amp, graphed):
         torch.testing.assert_close(c, b, rtol=1e-4, atol=1e-5)
 
 
 @needs_cuda
 @pytest.mark.cuda
-def test_cuda_graphed_rollout_matches_eager_and_reads_nothing():
+def test_cuda_graphed_rollout_and_update_match_eager_and_read_nothing():
+    """Stage 8 captures a graph for its rollout step and for its minibatch step: two rollouts
+    in a row are bit-exact with stage 7's, and a replayed rollout and a replayed update make
+    no host read and no CUDA sync."""
+    from labkit.capture import CapturedStep
+
     cuda = torch.device("cuda")
     if STAGES[8].skip_reason(cuda):
         pytest.skip(STAGES[8].skip_reason(cuda))
     with Pipeline(STAGES[7], RUN, cuda) as eager, Pipeline(STAGES[8], RUN, cuda) as graphed:
-        a = {k: v.clone() for k, v in eager.collect().tensors().items()}
-        b = {k: v.clone() for k, v in graphed.collect().tensors().items()}  # captures first
-        for key in ("obs", "actions", "rewards", "dones"):
-            assert torch.equal(a[key], b[key]), key
+        for _ in range(2):  # the first captures; the second replays from where it left off
+            a = {k: v.clone() for k, v in eager.collect().tensors().items()}
+            b = {k: v.clone() for k, v in graphed.collect().tensors().items()}
+            for key in ("obs", "actions", "rewards", "dones"):
+                assert torch.equal(a[key], b[key]), key
+        rollout_step, update_step = graphed._step, graphed.update.keywords["step"]
+        assert isinstance(rollout_step, CapturedStep) and rollout_step.graph is not None
         with SyncMeter(cuda_debug=True) as m:
             r = graphed.collect()
         assert (m.host_reads, m.cuda_syncs) == (0, 0)
         assert r.actions.min() >= 0 and r.actions.max() < 5
         assert r.dones[0].eq(1).all()  # 16-step episodes, T=16: each rollout starts a new one
+        batch = graphed.rollout()
+        graphed.update(batch)  # captures the minibatch step
+        assert isinstance(update_step, CapturedStep) and update_step.graph is not None
+        with SyncMeter(cuda_debug=True) as m:
+            graphed.update(batch)
+        assert (m.host_reads, m.cuda_syncs) == (0, 0)
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_two_graphed_updates_follow_stage_7_with_the_lr_annealed():
+    """Two learn() calls in a row on the same batch: the LR, a device tensor the captured
+    optimizer step reads, is annealed between the replays, and the parameters follow stage 7's
+    to float32 rounding."""
+    cuda = torch.device("cuda")
+    if STAGES[8].skip_reason(cuda):
+        pytest.skip(STAGES[8].skip_reason(cuda))
+    with Pipeline(STAGES[3], RUN, cuda) as p:
+        batch = p.rollout()
+    params, lrs = [], []
+    for stage in (STAGES[7], STAGES[8]):
+        with Pipeline(stage, RUN, cuda) as p:
+            p.generator.manual_seed(123)
+            seen = []
+            for _ in range(2):
+                p.learn(batch)
+                seen.append(p.optimizer.param_groups[0]["lr"].clone())
+            params.append([t.detach().clone() for t in p.agent.parameters()])
+            lrs.append(torch.stack(seen).cpu())
+    horizon, lr = RUN.lr_horizon, RUN.ppo.lr
+    expected = torch.tensor([lr * (1 - i / horizon) for i in (0, 1)])
+    for seen in lrs:
+        torch.testing.assert_close(seen, expected)
+    for a, b in zip(*params):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_measure_stage_8():
+    """The harness on stage 8 at a tiny size: three captures (rollout, update, the ceiling's
+    policy step), one host read per iteration (the metrics' summary) and one CUDA sync."""
+    cuda = torch.device("cuda")
+    if STAGES[8].skip_reason(cuda):
+        pytest.skip(STAGES[8].skip_reason(cuda))
+    row = measure_stage(STAGES[8], BENCH, cuda)
+    assert row["status"] == "ok", row["status"]
+    assert row["host_reads_rollout_per_step"] == 0 and row["host_reads_per_iter"] == 1
+    assert row["cuda_syncs_per_iter"] == 1
+    assert row["sps"] > 0 and row["ceiling_sps"] > 0

@@ -1,0 +1,55 @@
+"""The tree runs where it is copied without being installed (a GPU machine gets the working
+tree and a few wheels), and prints nothing on CUDA that the CPU does not: what a recorded
+notebook compares must not depend on the device."""
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_pytest_imports_this_checkout_where_labkit_is_not_installed(tmp_path):
+    """pyproject's ``pythonpath``: the bare ``pytest`` command (not ``python -m pytest``, which
+    adds the working directory itself) imports labkit from the tree it runs in."""
+    runner = shutil.which("pytest", path=str(Path(sys.executable).parent)) or \
+        shutil.which("pytest")
+    if runner is None:
+        pytest.skip("no pytest command on PATH")
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "labkit", tree / "labkit",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tree)
+    (tree / "tests").mkdir()
+    (tree / "tests" / "test_where.py").write_text(
+        "from pathlib import Path\n\nimport labkit\n\n\ndef test_where():\n"
+        "    assert Path(labkit.__file__).parents[1] == Path(__file__).parents[1]\n")
+    done = subprocess.run([runner, "-q", "-p", "no:cacheprovider", "tests/test_where.py"],
+                          cwd=tree, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_tf32_advice_is_answered_by_labkit():
+    """Inductor advises TF32 on GPUs that have it, on stderr, at the first fp32 compile: a
+    line that a GPU-recorded notebook would show and the CPU would not. labkit's fp32 is full
+    fp32 on purpose (labkit.executors says why), so that one message is silenced, and only
+    that one."""
+    import labkit.executors  # noqa: F401
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn("TensorFloat32 tensor cores for float32 matrix multiplication available "
+                      "but not enabled. Consider setting ...", UserWarning, stacklevel=1)
+        warnings.warn("another warning", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["another warning"]
+
+
+def test_ladder_controls_without_ipywidgets_say_so_in_one_line(monkeypatch, capsys):
+    from labkit import widgets
+
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # import fails as if not installed
+    assert widgets.ladder_controls() is None
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "pip install ipywidgets" in out
