@@ -20,14 +20,20 @@ import torch
 
 from .capture import CapturedStep, tree_map
 
-# labkit's fp32 is torch's default fp32: float32 matmuls in full precision ("ieee"), not TF32,
-# so that every fp32 stage computes the same numbers and reduced precision enters the ladder
-# in one place, stage 7's bf16 (chapter 08). Inductor advises TF32 once per process on GPUs
-# that have it (sm >= 8.0) at the first fp32 compile; labkit's choice is made, so the advice
-# is silenced, for that one message only. To run fp32 matmuls as TF32 anyway:
-# torch.backends.cuda.matmul.fp32_precision = "tf32" (then no advice is given either).
-warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores for float32 matrix "
-                                          "multiplication available but not enabled")
+
+def _tf32_choice_made() -> None:
+    """labkit's fp32 is torch's default fp32: float32 matmuls in full precision, not TF32, so
+    that every fp32 stage computes the same numbers and reduced precision enters the ladder in
+    one place, stage 7's bf16 (chapter 08). Inductor advises TF32 once per process on GPUs that
+    have it (sm >= 8.0), at the first fp32 compile; the choice is made, so that one message is
+    silenced (at import, and again by each compiled executor, in case a ``catch_warnings``
+    block around the import took the filter away). To run fp32 matmuls as TF32 anyway:
+    ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` (then inductor gives no advice)."""
+    warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores for float32 matrix "
+                                              "multiplication available but not enabled")
+
+
+_tf32_choice_made()
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ class Compiled(Eager):
         return f"Compiled(mode={self.mode!r})" if self.mode else "Compiled()"
 
     def inner(self, fn: Any) -> Any:
+        _tf32_choice_made()
         compiled = torch.compile(fn, fullgraph=True, mode=self.mode)
         if self.mode != "reduce-overhead":
             return compiled

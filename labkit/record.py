@@ -202,7 +202,7 @@ def estimates(parts: list[Part], device: torch.device, profile: str, out: str | 
                          f"on {done.get('device_name', '?')}"))
             continue
         prior = _prior_minutes(part, device, profile)
-        rows.append((part, prior, "estimate (op counts; not measured)" if prior is not None
+        rows.append((part, prior, "estimate, not measured" if prior is not None
                      else "no estimate: never recorded on this kind of device"))
     return rows
 

@@ -36,10 +36,12 @@ def test_the_tf32_advice_is_answered_by_labkit():
     """Inductor advises TF32 on GPUs that have it, on stderr, at the first fp32 compile: a
     line that a GPU-recorded notebook would show and the CPU would not. labkit's fp32 is full
     fp32 on purpose (labkit.executors says why), so that one message is silenced, and only
-    that one."""
-    import labkit.executors  # noqa: F401
+    that one, by every compiled executor."""
+    from labkit.executors import Compiled
 
     with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()  # as if a catch_warnings block had dropped labkit's filter
+        Compiled().inner(lambda x: x)  # compiles nothing until called
         warnings.warn("TensorFloat32 tensor cores for float32 matrix multiplication available "
                       "but not enabled. Consider setting ...", UserWarning, stacklevel=1)
         warnings.warn("another warning", UserWarning, stacklevel=1)
@@ -53,3 +55,15 @@ def test_ladder_controls_without_ipywidgets_say_so_in_one_line(monkeypatch, caps
     assert widgets.ladder_controls() is None
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "pip install ipywidgets" in out
+
+
+def test_the_gpu_session_script_refuses_what_it_cannot_run(tmp_path):
+    script = ROOT / "scripts" / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}
+    no_commit = subprocess.run(["bash", str(script), "--tests"], env=env, capture_output=True,
+                               text=True)
+    assert no_commit.returncode != 0 and "LABKIT_GIT_COMMIT" in no_commit.stderr
+    bad = subprocess.run(["bash", str(script), "--bogus"], capture_output=True, text=True,
+                         env={**env, "LABKIT_GIT_COMMIT": "abc1234"})
+    assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
