@@ -323,9 +323,16 @@ class LadderFile:
         self.data[section] = rows
         self.write()
 
+    @property
+    def rows(self) -> int:
+        return len(self.data["ladder"]) + len(self.data["scaling"])
+
     def interrupted(self, signal_name: str, part: str) -> None:
+        """Note where this run was stopped (in a file that holds rows: an empty one is not
+        written at all)."""
         self.data["runs"][self.run]["interrupted"] = {"signal": signal_name, "part": part}
-        self.write()
+        if self.rows:
+            self.write()
 
     def write(self) -> Path:
         from .bench import add_ratios, headline
@@ -403,6 +410,8 @@ class _Session:
         from .plots import save_figures
         from .signals import signals_deferred
 
+        if not book.rows:
+            return []
         with signals_deferred(reraise=reraise):  # a figure half written is worse than none
             return save_figures(book.data, self.out, stem)
 
