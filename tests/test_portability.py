@@ -67,3 +67,39 @@ def test_the_gpu_session_script_refuses_what_it_cannot_run(tmp_path):
     bad = subprocess.run(["bash", str(script), "--bogus"], capture_output=True, text=True,
                          env={**env, "LABKIT_GIT_COMMIT": "abc1234"})
     assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
+
+
+def test_deterministic_sets_cudnn_and_puts_it_back():
+    import torch
+
+    from labkit.device import deterministic
+
+    cudnn = torch.backends.cudnn
+    before = cudnn.deterministic, cudnn.benchmark
+    with deterministic():
+        assert (cudnn.deterministic, cudnn.benchmark) == (True, False)
+    assert (cudnn.deterministic, cudnn.benchmark) == before
+
+
+def test_only_the_graphed_stage_builds_a_capturable_optimizer():
+    """torch warns on stderr when a capturable optimizer steps outside a CUDA graph capture:
+    stage 7 (eager steps) must not be capturable, stage 8 (captured steps) must."""
+    from labkit.stages import STAGES
+
+    assert [getattr(s.optimizer, "capturable", False) for s in STAGES] == [False] * 8 + [True]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_stage_7_on_cuda_steps_without_torchs_capturable_warning():
+    import torch
+
+    from labkit.config import RunConfig
+    from labkit.stages import STAGES, Pipeline
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.filterwarnings("always", message=".*capturable=True")
+        with Pipeline(STAGES[7], RunConfig(n_envs=8, n_steps=16), "cuda") as p:
+            p.iteration()
+            torch.cuda.synchronize()
+    assert not [w for w in caught if "capturable" in str(w.message)]
