@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -102,7 +103,11 @@ def side_stream_warmup(fn: Callable[[], object], calls: int = WARMUP_CALLS) -> N
     initialization, autotuning and allocator growth must not happen inside the capture)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), warnings.catch_warnings():
+        # These calls step a capturable optimizer outside the capture on purpose (torch's own
+        # recipe); torch's warning about that is meant for optimizers that are never captured.
+        warnings.filterwarnings("ignore", message="This instance was constructed with "
+                                                  "capturable=True")
         for _ in range(calls):
             fn()
     torch.cuda.current_stream().wait_stream(stream)

@@ -1,6 +1,7 @@
 """``torch.profiler`` made short: profile a few calls, read the top ops and op counts."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
@@ -14,18 +15,29 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from .device import synchronize
 from .files import atomic_write
 
+#: ``acc_events`` may be missing from the oldest torch labkit supports.
+_KEEP_CYCLES = {"acc_events": True} \
+    if "acc_events" in inspect.signature(profile.__init__).parameters else {}
+
+
+def profiler(device: torch.device, **kwargs) -> profile:
+    """``torch.profiler.profile`` of the CPU and, on a GPU, its CUDA kernels, quiet: Kineto
+    prints "profiler_start/stop" lines to stderr at its default log level, and torch 2.11 warns
+    that a profile without ``acc_events`` keeps only its last cycle (a profile used once, as
+    here, has one cycle, so keeping them all changes nothing). ``kwargs`` go to it."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    return profile(activities=activities, **_KEEP_CYCLES, **kwargs)
+
 
 def profile_calls(fn: Callable[[], object], device: torch.device, calls: int = 1,
                   **kwargs) -> profile:
     """Run ``fn`` ``calls`` times under ``torch.profiler`` (CPU, and CUDA kernels on a GPU);
     warm ``fn`` up first yourself: the first call's compilation is not what you want to read.
     ``kwargs`` go to ``torch.profiler.profile`` (e.g. ``record_shapes=True``)."""
-    # Kineto prints "profiler_start/stop" lines to stderr at its default log level.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, **kwargs) as prof:
+    with profiler(device, **kwargs) as prof:
         for _ in range(calls):
             fn()
         synchronize(device)
@@ -89,11 +101,8 @@ def trace_pipeline(pipeline, out_dir: str | os.PathLike, iterations: int = 1,
         lap(phase)
 
     clock.lap = lap_and_mark
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
-                                           if device.type == "cuda" else [])
     try:
-        with profile(activities=activities) as prof:
+        with profiler(device) as prof:
             with record_function("labkit: clock anchor"):
                 anchor_ns = time.perf_counter_ns()
             clock.start()
