@@ -597,7 +597,8 @@ def runs_note(result: dict) -> str:
     if len(runs) <= 1:
         return "x stage 0 and x prev divide rows measured in the same run."
     listed = "; ".join(
-        f"`{rid}` ({r['meta']['date'][:10]}, {len(r.get('parts', []))} parts"
+        f"`{rid}` ({r['meta']['date'][:10]}, commit `{r['meta']['git_commit']}`, "
+        f"{len(r.get('parts', []))} parts"
         + (f", interrupted in {r['interrupted']['part']}" if r.get("interrupted") else "") + ")"
         for rid, r in sorted(runs.items(), key=lambda x: x[1]["meta"]["date"]))
     return (f"The rows come from {len(runs)} runs: {listed}. x stage 0 and x prev divide rows "
