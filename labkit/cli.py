@@ -1,4 +1,4 @@
-"""``python -m labkit {ladder,train,bench-env,record,report,profile,doctor,plot-runs}``.
+"""``python -m labkit {ladder,train,bench-env,record,report,profile,doctor,rehearse,plot-runs}``.
 
 User errors (a bad flag value, an unusable output path, a bad checkpoint) print one line
 ``error: ...`` naming the field or path and exit 2, before any work starts. Faults of the
@@ -283,6 +283,22 @@ def torch_cpu():
     return torch.device("cpu")
 
 
+def cmd_rehearse(args: argparse.Namespace) -> int:
+    from .config import RunConfig
+    from .plants import plant
+    from .rehearsal import rehearse_stage
+
+    if args.device != "cpu":
+        raise ValueError(f"--device must be cpu, got {args.device!r}: a rehearsal stands in "
+                         "for CUDA on the CPU; with a GPU, run the stage itself (python -m "
+                         "labkit doctor --stage 8 --device cuda)")
+    stage = plant(args.stage, args.plant) if args.plant else args.stage
+    report = rehearse_stage(stage, RunConfig(n_envs=args.n_envs, n_steps=args.n_steps),
+                            iterations=args.iterations)
+    print(report)
+    return 0 if report.ok else 1
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from .record import write_report
 
@@ -397,6 +413,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .doctor import add_parser as add_doctor_parser
     add_doctor_parser(sub)
+
+    from .plants import PLANT_NAMES
+    p = sub.add_parser(
+        "rehearse", help="rehearse a stage's CUDA graph captures on the CPU",
+        description="Capture and replay a stage's CUDA graphs on the CPU (labkit.rehearsal): "
+                    "report what a real capture would refuse (host reads, data-dependent ops, "
+                    "unregistered generators) and whether the replays compute what the stage "
+                    "without graphs computes, bit for bit. No speed is measured. Exit 0 when "
+                    "capturable and equal, 1 otherwise, 2 on a usage error.")
+    p.add_argument("--stage", type=_stage, default="cuda_graphs",
+                   help="a stage with CUDA graphs (default: cuda_graphs)")
+    p.add_argument("--plant", default=None,
+                   help=f"plant a regression first: {', '.join(PLANT_NAMES)}")
+    p.add_argument("--device", default="cpu", help="cpu (the rehearsal's only device)")
+    p.add_argument("--n-envs", type=_positive_int, default=16, help="N (default: 16)")
+    p.add_argument("--n-steps", type=_positive_int, default=16, help="T (default: 16)")
+    p.add_argument("--iterations", type=_positive_int, default=2,
+                   help="iterations rehearsed (default: 2)")
+    p.set_defaults(func=cmd_rehearse)
 
     p = sub.add_parser("plot-runs", help="learning curves of train runs (steps and wall time)")
     p.add_argument("runs", nargs="+", help="train --out folders")

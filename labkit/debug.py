@@ -42,6 +42,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from .device import capturing
+
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -95,9 +97,7 @@ def steps() -> dict[str, int]:
 
 
 def _cannot_read_host() -> bool:
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return torch.compiler.is_compiling() or capturing()
 
 
 def _tensors(value: torch.Tensor | Sequence[torch.Tensor | None]) -> list[torch.Tensor]:

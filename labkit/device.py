@@ -65,6 +65,16 @@ def deterministic() -> Iterator[None]:
         cudnn.deterministic, cudnn.benchmark = saved
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream: then nothing may read the
+    host. False without CUDA (``labkit.rehearsal`` stands in for torch.cuda's answer while it
+    captures on the CPU). Not for a hot path on the CPU: there it raises and catches."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # a torch without CUDA, or without a driver
+        return False
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued work on ``device``; the only place the harness blocks on the GPU."""
     if device.type == "cuda":

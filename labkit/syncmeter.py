@@ -43,14 +43,16 @@ def _short(path: str) -> str:
     return path[len(here):] if path.startswith(here) else path
 
 
-def call_site(skip: int = 0) -> str:
-    """Where the current call comes from: the first frame outside this module and torch
-    (``file:line (function)``), plus ``via`` the torch frame that made it, if any."""
+def call_site(skip: int = 0, internal: tuple[str, ...] = ()) -> str:
+    """Where the current call comes from: the first frame outside this module, the files
+    ``internal`` names (the caller's own module, say) and torch (``file:line (function)``),
+    plus ``via`` the torch frame that made it, if any."""
     frame = sys._getframe(1 + skip)
     inner = None
-    while frame is not None and (frame.f_code.co_filename == __file__
+    own = (__file__, *internal)
+    while frame is not None and (frame.f_code.co_filename in own
                                  or frame.f_code.co_filename.startswith(_TORCH_DIR)):
-        if frame.f_code.co_filename != __file__ and inner is None:
+        if frame.f_code.co_filename not in own and inner is None:
             inner = frame
         frame = frame.f_back
     if frame is None:
@@ -61,10 +63,12 @@ def call_site(skip: int = 0) -> str:
     return site
 
 
-def _count(name: str) -> None:
+def _count(name: str, cpu_tensor: bool = False) -> None:
+    """Count a read in the meters of this thread (one of a CPU tensor only in those that
+    count CPU tensors as device tensors)."""
     tid = threading.get_ident()
     for meter in _active:
-        if meter._thread == tid:
+        if meter._thread == tid and (meter.cpu_as_device or not cpu_tensor):
             meter.counts[name] += 1
             if meter.sites is not None:
                 meter.sites[call_site()] += 1
@@ -95,6 +99,10 @@ def _to_wrapper(fn):
             device = torch._C._nn._parse_to(*args, **kwargs)[0]
             if device is not None and device.type == "cpu":
                 _count("to")
+        elif "cpu" in (*args[:1], kwargs.get("device")):
+            # a CPU tensor sent to "cpu" by name: a host read where CPU tensors stand for
+            # device ones (``x.to(x.device)`` is not: it stays where it is on every device)
+            _count("to", cpu_tensor=True)
         return fn(self, *args, **kwargs)
     return to
 
@@ -116,7 +124,9 @@ def _uninstall() -> None:
 
 
 class SyncMeter:
-    """Context manager counting host reads in the current thread.
+    """Context manager counting host reads in the current thread. ``cpu_as_device``: count
+    ``.to("cpu")`` of a CPU tensor too (the device named "cpu"), as if every tensor lived on a
+    device (the CUDA-graph rehearsal on the CPU, ``labkit.rehearsal``).
 
     >>> with SyncMeter() as m:
     ...     torch.ones(2).sum().item()
@@ -124,7 +134,9 @@ class SyncMeter:
     1
     """
 
-    def __init__(self, cuda_debug: bool = False, call_sites: bool = False) -> None:
+    def __init__(self, cuda_debug: bool = False, call_sites: bool = False,
+                 cpu_as_device: bool = False) -> None:
+        self.cpu_as_device = cpu_as_device
         self.counts: Counter[str] = Counter()
         self.sites: Counter[str] | None = Counter() if call_sites else None
         self.cuda_syncs = 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .device import synchronize
+from .device import capturing, synchronize
 
 #: Phase keys in the order of an iteration, with what each one holds.
 PHASES = {
@@ -55,7 +55,7 @@ class PhaseClock:
         """The time since the previous lap (or ``start``) belongs to phase ``name``."""
         if not self.running:
             return
-        if self.cuda and torch.cuda.is_current_stream_capturing():
+        if self.cuda and capturing():
             return  # inside a CUDA graph capture: the replay is timed as a whole
         self._marks.append((name, self._now()))
 

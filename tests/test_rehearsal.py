@@ -1,0 +1,347 @@
+"""Stage 8 in CI without a GPU: labkit's graph code, unchanged, captured and replayed on the CPU
+by ``labkit.rehearsal``, and checked against stage 7 run eagerly. Controls prove that the graphs
+really replay (no Python after the capture, a float LR frozen in them), mutation tests that the
+checks can fail, and ``rehearse`` / ``python -m labkit rehearse`` report what a real capture
+would refuse."""
+import dataclasses
+
+import pytest
+import torch
+
+from labkit import cli, rehearse
+from labkit.bench import measure_stage
+from labkit.capture import WARMUP_CALLS, CapturedStep, warmup
+from labkit.config import BenchConfig, RunConfig
+from labkit.envs import ForageSpec
+from labkit.plants import plant
+from labkit.rehearsal import CaptureError, rehearsal
+from labkit.rollout import DeviceCollector
+from labkit.stages import STAGES, Pipeline
+from labkit.syncmeter import SyncMeter
+from labkit.update import FusedAdam
+
+RUN = RunConfig(n_envs=8, n_steps=16, spec=ForageSpec(episode_length=12))
+EAGER, GRAPHED = STAGES[7], STAGES[8]
+
+
+def _iterations(stage, n: int = 3, cfg: RunConfig = RUN) -> list:
+    """(rollout, update statistics, parameters) after each of ``n`` iterations."""
+    seen = []
+    with Pipeline(stage, cfg, "cpu") as p:
+        for _ in range(n):
+            batch = p.rollout()
+            rollout = {k: v.clone() for k, v in p.collector.storage.tensors().items()}
+            stats = {k: float(v) for k, v in p.learn(batch).items()}
+            seen.append((rollout, stats, [t.detach().clone() for t in p.agent.parameters()]))
+    return seen
+
+
+def _eager(stage, n: int = 3, cfg: RunConfig = RUN) -> list:
+    with torch.compiler.set_stance("force_eager"):
+        return _iterations(stage, n, cfg)
+
+
+def _same(a: list, b: list) -> bool:
+    return all(all(torch.equal(x[k], y[k]) for k in x) and sx == sy
+               and all(torch.equal(p, q) for p, q in zip(px, py))
+               for (x, sx, px), (y, sy, py) in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def stage_7():
+    return _eager(EAGER)
+
+
+def test_stage_8_equals_stage_7_bit_for_bit(stage_7):
+    """Three iterations; the captures happen inside the first rollout and the first update;
+    every later step and minibatch is a replay."""
+    with rehearsal() as r:
+        graphed = _iterations(GRAPHED)
+    assert r.problems == [] and len(r.graphs) == 2
+    steps, minibatches = 3 * RUN.n_steps, 3 * RUN.ppo.update_epochs * RUN.ppo.n_minibatches
+    assert sorted(g.replays for g in r.graphs) == sorted([steps, minibatches])
+    assert _same(stage_7, graphed)
+    assert stage_7[-1][0]["dones"].sum() > 0  # episodes ended inside: resets were replayed
+    # and compiled stage 7 within the tolerance the suite states for compiled stages
+    compiled = _iterations(EAGER, n=1)
+    for a, b in zip(compiled[0][2], graphed[0][2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_replayed_rollout_and_update_read_nothing():
+    with rehearsal(), Pipeline(GRAPHED, RUN, "cpu") as p:
+        batch = p.rollout()  # the rollout step is captured here
+        p.update(batch)  # and the minibatch step here
+        with SyncMeter() as rollout_meter:
+            batch = p.rollout()
+        with SyncMeter() as update_meter:
+            p.update(batch)
+    assert (rollout_meter.host_reads, update_meter.host_reads) == (0, 0)
+
+
+def test_warmup_restore_and_reset_with_graphs(stage_7):
+    """warmup() captures both graphs inside its iteration and restores the state in place: the
+    next iterations are stage 7's, the parameters keep their storage, and reset() goes back."""
+    with rehearsal(), Pipeline(GRAPHED, RUN, "cpu") as p:
+        storage = [t.data_ptr() for t in p.agent.parameters()]
+        assert warmup(p) > 0
+        assert isinstance(p._step, CapturedStep) and p._step.graph is not None
+        assert [t.data_ptr() for t in p.agent.parameters()] == storage
+        first = {k: float(v) for k, v in p.iteration().items()}
+        assert first == stage_7[0][1]
+        assert all(torch.equal(a, b) for a, b in zip(p.agent.parameters(), stage_7[0][2]))
+        p.reset()
+        assert p.global_step == 0 and {k: float(v) for k, v in p.iteration().items()} == first
+
+
+def test_measure_stage_8_is_ok_with_one_read_per_iteration():
+    with rehearsal():
+        row = measure_stage(GRAPHED, BenchConfig(run=RUN, iterations=2), torch.device("cpu"))
+    assert row["status"] == "ok", row["status"]
+    assert row["host_reads_rollout_per_step"] == 0 and row["host_reads_per_iter"] == 1
+
+
+def test_train_stage_8_resumes_bit_exactly(tmp_path):
+    from labkit import checkpoint
+    from labkit.capture import tree_tensors
+    from labkit.train import TrainConfig, train
+
+    cfg = TrainConfig.flat(stage="cuda_graphs", device="cpu", n_envs=8, n_steps=16, seed=2,
+                           total_steps=8 * 16 * 6, checkpoint_every=0)
+    with rehearsal():
+        train(cfg, tmp_path / "one_go", progress=False)
+        train(cfg, tmp_path / "split", progress=False, stop_after=3)
+        train(None, tmp_path / "split", resume=True, progress=False)
+    a = checkpoint.load(tmp_path / "one_go" / "checkpoint.pt")["state"]
+    b = checkpoint.load(tmp_path / "split" / "checkpoint.pt")["state"]
+    assert a["iteration"] == b["iteration"] == 6
+    for x, y in zip(tree_tensors(a), tree_tensors(b), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_two_graphed_updates_follow_stage_7_with_the_lr_annealed():
+    with torch.compiler.set_stance("force_eager"), Pipeline(STAGES[3], RUN, "cpu") as p:
+        batch = p.rollout()
+    results = []
+    for stage, context in ((EAGER, torch.compiler.set_stance("force_eager")),
+                           (GRAPHED, rehearsal())):
+        with context, Pipeline(stage, RUN, "cpu") as p:
+            lrs = []
+            for _ in range(2):
+                p.learn(batch)
+                lrs.append(float(p.optimizer.param_groups[0]["lr"]))
+            results.append((lrs, [t.detach().clone() for t in p.agent.parameters()]))
+    (lr7, params7), (lr8, params8) = results
+    assert lr7 == lr8 and lr8[1] < lr8[0]  # annealed between the two updates' replays
+    assert all(torch.equal(a, b) for a, b in zip(params7, params8))
+
+
+def test_a_planted_host_read_fails_the_capture():
+    with rehearsal(), Pipeline(plant(GRAPHED, "unfused_adam"), RUN, "cpu") as p:
+        batch = p.rollout()
+        with pytest.raises(CaptureError) as caught:
+            p.update(batch)
+    problems = caught.value.problems
+    assert problems and all(x.kind == "host_read" for x in problems)
+    assert any("via torch/optim/" in x.where for x in problems)
+
+
+# ---------------------------------------------------------------- the replays are real
+
+
+class _CountingCollector(DeviceCollector):
+    calls = 0
+
+    def step(self) -> None:
+        type(self).calls += 1
+        super().step()
+
+
+def test_python_runs_at_warmup_and_capture_only():
+    stage = dataclasses.replace(GRAPHED, collector=_CountingCollector)
+    _CountingCollector.calls = 0
+    with rehearsal(), Pipeline(stage, RUN, "cpu") as p:
+        p.collect()
+        p.collect()
+    assert _CountingCollector.calls == WARMUP_CALLS + 1  # then 2 x T replays, no Python
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _FloatLrAdam(FusedAdam):
+    """Fused Adam with its LR a Python float: a graph bakes the value in at capture."""
+
+    def __call__(self, params, cfg, device):
+        return torch.optim.Adam(params, lr=cfg.lr, eps=cfg.adam_eps, fused=True)
+
+
+def test_a_float_lr_is_frozen_in_the_graph():
+    """A control that the updates are replays: annealing a float LR changes eager steps and not
+    the captured ones, so the two runs part after the first iteration."""
+    eager = _eager(dataclasses.replace(EAGER, optimizer=_FloatLrAdam()), n=2)
+    with rehearsal():
+        graphed = _iterations(dataclasses.replace(GRAPHED, optimizer=_FloatLrAdam()), n=2)
+    assert _same(eager[:1], graphed[:1])
+    assert not _same(eager, graphed)
+
+
+def test_without_the_restore_after_warmup_the_stages_part(monkeypatch, stage_7):
+    """Mutation: CapturedStep's warm-up calls really run; without the restore that follows
+    them, stage 8 starts from a state three steps ahead and no longer equals stage 7."""
+    capture = CapturedStep._capture
+
+    def capture_without_restore(self, args):
+        state = self.state
+        monkeypatch.setattr(state, "load_state_dict", lambda saved: None)
+        try:
+            capture(self, args)
+        finally:
+            monkeypatch.undo()
+
+    monkeypatch.setattr(CapturedStep, "_capture", capture_without_restore)
+    with rehearsal():
+        graphed = _iterations(GRAPHED)
+    assert not _same(stage_7, graphed)
+
+
+def test_without_the_generator_registration_replays_draw_the_same_numbers(monkeypatch,
+                                                                         stage_7):
+    """Mutation: a capture that does not register the sampling generator is a problem, and in
+    a lenient rehearsal every replay samples with the same noise, as on a GPU."""
+    init = CapturedStep.__init__
+
+    def init_without_generator(self, step, state, generator=None, after_replay=None):
+        init(self, step, state, None, after_replay)
+
+    monkeypatch.setattr(CapturedStep, "__init__", init_without_generator)
+    with rehearsal() as r, Pipeline(GRAPHED, RUN, "cpu") as p, pytest.raises(CaptureError):
+        p.collect()
+    assert [x.kind for x in r.problems] == ["unregistered_generator"]
+    assert r.problems[0].where.startswith("labkit/policy.py:")
+    with rehearsal(strict=False):
+        graphed = _iterations(GRAPHED, n=1)
+    assert not _same(stage_7[:1], graphed)
+
+
+# ---------------------------------------------------------------- the recipe
+
+
+def test_the_recipes_graph_step_equals_the_recipe_run_eagerly():
+    from tests.test_recipe import _configs, recipe
+
+    args, _ = _configs("cpu")
+
+    def two_iterations(graphs: bool) -> tuple:
+        r = recipe.make_runner(args)
+        if graphs:
+            r.step = recipe.CudaGraphStep(r.step, r)
+            r.train_step = recipe.CudaGraphStep(r.train_step, r)
+        rollouts = []
+        for i in range(2):
+            rollouts.append({k: v.clone() for k, v in recipe.collect(r).items()})
+            recipe.update(r, recipe.compute_batch(r), iteration=i)
+        return rollouts, [p.detach().clone() for p in r.agent.parameters()], r
+
+    with torch.compiler.set_stance("force_eager"):
+        eager_rollouts, eager_params, _ = two_iterations(False)
+    with rehearsal() as reh:
+        rollouts, params, runner = two_iterations(True)
+    assert len(reh.graphs) == 2 and runner.step.graph.replays == 2 * args.n_steps
+    for a, b in zip(eager_rollouts, rollouts):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(a, b) for a, b in zip(eager_params, params))
+
+
+# ---------------------------------------------------------------- for readers
+
+
+def _net_and_data():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(net.parameters(), lr=torch.tensor(0.01), fused=True)
+    return net, opt, torch.randn(8, 4)
+
+
+def test_rehearse_a_capturable_step_and_keep_its_results():
+    net, opt, x = _net_and_data()
+
+    def step(x):
+        opt.zero_grad(set_to_none=True)
+        loss = net(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    report = rehearse(step, x, replays=2)
+    assert report.ok and report.replays == 2 and "capturable" in str(report)
+    net2, opt2, _ = _net_and_data()
+    opt, net = opt2, net2
+    losses = [step(x) for _ in range(5)]  # 3 warm-up calls and 2 replays, eagerly
+    assert torch.equal(report.outputs, losses[-1])
+
+
+@pytest.mark.parametrize("case, kind", [
+    ("item", "host_read"), ("print", "host_read"), ("to_cpu", "host_read"),
+    ("mask", "dynamic_shape"), ("nonzero", "dynamic_shape"), ("tensor", "host_tensor"),
+    ("generator", "unregistered_generator"), ("shape", "shape"), ("number", "not_static")])
+def test_rehearse_names_each_problem_at_its_line(case, kind, capsys):
+    gen = torch.Generator().manual_seed(0)
+    calls = []
+
+    def step(x):
+        calls.append(1)
+        y = x * 2
+        if case == "item":
+            y = y + y.sum().item()
+        elif case == "print":
+            print(y)
+        elif case == "to_cpu":
+            y = y.to("cpu")
+        elif case == "mask":
+            y = y[y > 0]
+        elif case == "nonzero":
+            y = y.nonzero()
+        elif case == "tensor":
+            y = y + torch.tensor([1.0, 2.0, 3.0, 4.0])
+        elif case == "generator":
+            y = y + torch.rand(y.shape, generator=gen)
+        elif case == "shape":
+            y = y[: len(calls)]  # the capture's output is longer than the warm-up's
+        elif case == "number":
+            return y, float(len(calls))
+        return y
+
+    report = rehearse(step, torch.arange(4.0) - 1.5)
+    assert not report.ok and report.replays == 0
+    assert kind in {p.kind for p in report.problems}, report
+    if kind not in ("shape", "not_static"):
+        (where,) = {p.where for p in report.problems if p.kind == kind}
+        assert where.startswith("tests/test_rehearsal.py:") and "(step)" in where
+    assert f"[{kind}]" in str(report)
+
+
+def test_rehearse_refuses_bad_input():
+    with pytest.raises(ValueError, match="replays must be an int >= 0"):
+        rehearse(lambda: None, replays=-1)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        rehearse(3)
+
+
+@pytest.mark.parametrize("argv, code, needle", [
+    ([], 0, "capturable; 2 graphs replayed"),
+    (["--plant", "unfused_adam"], 1, "[host_read]"),
+    (["--stage", "7"], 2, "has no CUDA graphs to rehearse"),
+    (["--device", "cuda"], 2, "--device"),
+    (["--plant", "warp"], 2, "plant must be one of"),
+    (["--iterations", "0"], 2, "--iterations: expected an integer >= 1"),
+])
+def test_cli_rehearse(capsys, argv, code, needle):
+    small = ["--n-envs", "8", "--n-steps", "8"]
+    try:
+        rc = cli.main(["rehearse", *small, *argv])
+    except SystemExit as exit:
+        rc = exit.code
+    assert rc == code
+    out = capsys.readouterr()
+    assert needle in (out.out if code < 2 else out.err)
+    if code == 2:
+        assert out.err.startswith("error: ") and out.err.count("\n") == 1
