@@ -369,13 +369,17 @@ class rehearsal:  # noqa: N801 - used like torch's context managers
         from . import stages
 
         stack = self._stack.__enter__()
-        for name, value in self._stand_ins().items():
-            stack.enter_context(_patched(torch.cuda, name, value))
-        stack.enter_context(_patched(stages, "REQUIREMENTS", {
-            need: (lambda device: True, reason)
-            for need, (_, reason) in stages.REQUIREMENTS.items()}))
-        stack.enter_context(torch.compiler.set_stance("force_eager"))
-        stack.enter_context(_read_flag(self))
+        try:
+            for name, value in self._stand_ins().items():
+                stack.enter_context(_patched(torch.cuda, name, value))
+            stack.enter_context(_patched(stages, "REQUIREMENTS", {
+                need: (lambda device: True, reason)
+                for need, (_, reason) in stages.REQUIREMENTS.items()}))
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
+            stack.enter_context(_read_flag(self))
+        except BaseException:
+            stack.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> bool | None:
