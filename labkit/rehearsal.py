@@ -15,13 +15,17 @@ code run as they are, with these semantics:
   first replay;
 * **replay re-runs only the recorded ops**, into the very tensors made at capture (a graph's
   static addresses), with no Python: Python in the captured function runs at warm-up and at
-  capture only. A registered generator advances at each replay (philox offsets on a GPU); an
-  unregistered one replays the same numbers every time, as on a GPU;
+  capture only. A registered generator advances at each replay (philox offsets on a GPU). A
+  CUDA generator that is not registered makes a real capture raise ("Attempt to increase
+  offset for a CUDA generator not in capture mode"); a lenient rehearsal replays the same
+  numbers from it every time, so that what depends on it shows;
 * **what a capture cannot do is a problem**, with the call site: a host read (whatever
   ``labkit.syncmeter`` counts, ``.to("cpu")`` included, since every tensor stands for a
   device tensor), an op torch tags as data-dependent, of dynamic output shape or unsafe in a
-  CUDA graph, ``torch.tensor(...)`` built inside the capture (a host-to-device copy), and a
-  generator that is used without being registered (torch registers the default one itself).
+  CUDA graph, ``torch.tensor(...)`` built inside the capture (a host-to-device copy), a
+  tensor made without ``device=`` (a host tensor on a GPU) mixed into an op with device
+  tensors, and a generator that is used without being registered (torch registers the
+  default one itself).
   ``rehearsal(strict=True)`` raises :class:`CaptureError` at the end of a capture that has
   any, as a real capture would have failed; ``strict=False`` collects them in ``problems``.
 
@@ -30,6 +34,17 @@ mode and ``fullgraph=True`` compiled code do not mix. So a rehearsed stage 8 equ
 eagerly bit for bit, and compiled stage 7 within the tolerance the tests state. Stages that need
 CUDA or bf16 are built on the CPU inside: the rehearsal runs fp32 and a non-capturable fused
 Adam where a GPU runs bf16 and a capturable one.
+
+Host tensors are found by where a tensor comes from, not by its device (on the CPU every
+tensor is a host tensor): a ``TorchFunctionMode`` notes each tensor the capture makes with a
+constructor given no ``device=`` (torch's list of them, the one ``set_default_device`` uses),
+the recorder follows it through the ops that take only such tensors, and an op that mixes one
+(not a 0-d scalar, which CUDA accepts) with device tensors is the problem, at the op's line and
+the tensor's. A second pass under ``FakeTensorMode`` with every existing tensor faked onto
+``cuda`` was tried first and rejected: on CPU-only torch 2.13 autograd through a fake CUDA
+tensor aborts the process (no CUDA device guard); faking onto ``meta`` instead wrote a fake
+gradient into the real parameter's ``.grad``, ops with a generator do not run under it, and
+code that keeps a device in Python (an env's ``self.device``) refuses the faked tensors.
 
 What a rehearsal cannot show: compiled kernels inside a real capture; cuDNN and cuBLAS
 workspace allocation on the capture stream; stream ordering, and CUDA calls from other threads;
@@ -44,13 +59,16 @@ rehearse --stage NAME`` do it for a ladder stage, against the same stage without
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .syncmeter import SyncMeter, call_site
 
@@ -67,8 +85,10 @@ _EXPLAIN = {
     "cudagraph_unsafe": "an op torch tags as unsafe inside a CUDA graph",
     "host_tensor": "torch.tensor(...) inside the capture: a host-to-device copy of Python "
                    "data, baked in at capture (make it once, outside, and update it in place)",
-    "unregistered_generator": "a generator the graph does not know: every replay draws the "
-                              "same numbers (register it: graph.register_generator_state)",
+    "host_mix": "a tensor made without device= is a host tensor on a GPU, and an op mixing it "
+                "with device tensors raises there (give it device=, e.g. device=x.device)",
+    "unregistered_generator": "a generator the graph does not know: a real capture raises "
+                              "(register it: graph.register_generator_state)",
     "shape": "the capture's inputs or outputs differ in shape from the warm-up call's",
     "not_static": "an output that is not a tensor made by the graph: replays do not update it",
 }
@@ -77,6 +97,20 @@ _EXPLAIN = {
 _INDEXING = {"index", "_unsafe_index"}
 #: Allocations: a replay keeps the buffer a capture made, so they are not re-run.
 _ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+#: Ops that may take a host tensor beside device tensors: copies between devices.
+_CROSS_DEVICE = {"copy_", "_to_copy", "lift_fresh", "_copy_from"}
+
+
+def _constructors() -> set:
+    """torch's functions that take ``device=`` and make a tensor (those that
+    ``torch.set_default_device`` redirects); a short list where torch's is not there."""
+    try:
+        from torch.utils._device import _device_constructors
+        return set(_device_constructors())
+    except ImportError:  # pragma: no cover - a torch without it
+        return {torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.rand,
+                torch.randn, torch.randint, torch.tensor, torch.as_tensor, torch.linspace,
+                torch.eye, torch.scalar_tensor}
 
 
 @dataclass
@@ -162,6 +196,7 @@ class _Recorder(TorchDispatchMode):
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         self.fresh: list[torch.Tensor] = []
         self.problems: list[Problem] = []
+        self.host = WeakTensorKeyDictionary()  # tensor -> where it was made without a device
         self._remember(torch.default_generator)
 
     def _remember(self, gen: torch.Generator) -> None:
@@ -180,8 +215,13 @@ class _Recorder(TorchDispatchMode):
                 for t in _tensors(value):
                     self._save(t)
         self._inspect(func, named)
+        host = self._host_inputs(func, named)
         rng_state = self._generator(func, named)
         out = func(*args, **kwargs)
+        if host:
+            for t in _tensors(out) if not isinstance(out, tuple) else [
+                    t for v in out for t in _tensors(v)]:
+                self.host[t] = host
         inputs = {_key(t) for _, v in named for t in _tensors(v)}
         fresh: list[torch.Tensor | None] = []
         for ret, value in _returns(schema, out):
@@ -218,6 +258,23 @@ class _Recorder(TorchDispatchMode):
                 continue  # integer indices: the shape is the indices' shape, not the data's
             self._problem(_TAGS[tag], f"{_EXPLAIN[_TAGS[tag]]}: {func}")
 
+    def _host_inputs(self, func, named: list) -> str | None:
+        """Where the host tensors among an op's inputs were made, if all its inputs are host
+        tensors (its outputs are host tensors too); a problem if it mixes one that is not a
+        scalar with device tensors."""
+        tensors = [t for _, v in named for t in _tensors(v)]
+        host = [self.host[t] for t in tensors if t in self.host]
+        if not host:
+            return None
+        if len(host) == len(tensors):
+            return host[0]
+        mixed = [self.host[t] for t in tensors if t in self.host and t.dim() > 0]
+        if mixed and func.overloadpacket.__name__ not in _CROSS_DEVICE \
+                and not self.rehearsal.in_read:
+            self._problem("host_mix", f"{_EXPLAIN['host_mix']}: {func} mixes the tensor "
+                                      f"made at {mixed[0]}")
+        return None
+
     def _problem(self, kind: str, what: str | None = None) -> None:
         self.problems.append(Problem(kind, call_site(internal=(__file__,)),
                                      what or _EXPLAIN[kind]))
@@ -250,6 +307,28 @@ class _Recorder(TorchDispatchMode):
                     t.fill_(math.nan)
                 elif t.dtype != torch.bool:
                     t.fill_(torch.iinfo(t.dtype).max)
+
+
+class _HostMade(TorchFunctionMode):
+    """Notes each tensor a capture makes with a constructor given no ``device=``: on a GPU it
+    is a host tensor, whatever the CPU rehearsal makes of it."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        while hasattr(func, "__wrapped__"):  # torch's own method, not the sync meter's
+            func = func.__wrapped__          # wrapper around it: one read counts once
+        out = func(*args, **kwargs)
+        if func in _CONSTRUCTORS and kwargs.get("device") is None \
+                and isinstance(out, torch.Tensor):
+            self.recorder.host[out] = call_site(internal=(__file__,))
+        return out
+
+
+_CONSTRUCTORS = _constructors()
 
 
 class _Graph:
@@ -340,7 +419,7 @@ class rehearsal:  # noqa: N801 - used like torch's context managers
         meter = SyncMeter(call_sites=True, cpu_as_device=True)
         self.capturing = True
         try:
-            with meter, recorder:
+            with meter, _HostMade(recorder), recorder:
                 yield
         finally:
             self.capturing = False
@@ -404,6 +483,7 @@ def _read_flag(owner: rehearsal) -> Iterator[None]:
     originals = {n: getattr(torch.Tensor, n) for n in names}
 
     def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
         def read(self, *args, **kwargs):
             outer = owner.in_read
             owner.in_read = True

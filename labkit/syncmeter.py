@@ -17,6 +17,7 @@ outside torch, as ``file:line (function)``, and, when the read itself happened i
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -43,6 +44,15 @@ def _short(path: str) -> str:
     return path[len(here):] if path.startswith(here) else path
 
 
+#: torch's frames that only pass a call on (dynamo's disable wrapper around a dispatch mode):
+#: never the "via" of a call site.
+_WRAPPERS = (os.path.join("_dynamo", "eval_frame.py"), os.path.join("torch", "_compile.py"))
+
+
+#: A torch function or dispatch mode passes calls on: its hook is never a call site.
+_MODE_HOOKS = ("__torch_function__", "__torch_dispatch__")
+
+
 def call_site(skip: int = 0, internal: tuple[str, ...] = ()) -> str:
     """Where the current call comes from: the first frame outside this module, the files
     ``internal`` names (the caller's own module, say) and torch (``file:line (function)``),
@@ -51,8 +61,10 @@ def call_site(skip: int = 0, internal: tuple[str, ...] = ()) -> str:
     inner = None
     own = (__file__, *internal)
     while frame is not None and (frame.f_code.co_filename in own
-                                 or frame.f_code.co_filename.startswith(_TORCH_DIR)):
-        if frame.f_code.co_filename not in own and inner is None:
+                                 or frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_name in _MODE_HOOKS):
+        if frame.f_code.co_filename.startswith(_TORCH_DIR) and inner is None \
+                and not frame.f_code.co_filename.endswith(_WRAPPERS):
             inner = frame
         frame = frame.f_back
     if frame is None:
@@ -75,15 +87,15 @@ def _count(name: str, cpu_tensor: bool = False) -> None:
 
 
 def _wrap(name: str, fn):
+    @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         _count(name)
         return fn(self, *args, **kwargs)
-    wrapper.__name__ = getattr(fn, "__name__", name)
-    wrapper.__doc__ = getattr(fn, "__doc__", None)
     return wrapper
 
 
 def _copy_wrapper(fn):
+    @functools.wraps(fn)
     def copy_(self, src, non_blocking=False):
         # Device -> host: it waits, unless non_blocking into pinned memory (which may not).
         if (self.device.type == "cpu" and isinstance(src, torch.Tensor)
@@ -94,6 +106,7 @@ def _copy_wrapper(fn):
 
 
 def _to_wrapper(fn):
+    @functools.wraps(fn)
     def to(self, *args, **kwargs):
         if self.device.type != "cpu":  # ``x.to("cpu")`` of a device tensor is a D2H copy
             device = torch._C._nn._parse_to(*args, **kwargs)[0]

@@ -14,7 +14,7 @@ from labkit.capture import WARMUP_CALLS, CapturedStep, warmup
 from labkit.config import BenchConfig, RunConfig
 from labkit.envs import ForageSpec
 from labkit.plants import plant
-from labkit.rehearsal import CaptureError, rehearsal
+from labkit.rehearsal import CaptureError, rehearsal, rehearse_stage
 from labkit.rollout import DeviceCollector
 from labkit.stages import STAGES, Pipeline
 from labkit.syncmeter import SyncMeter
@@ -205,8 +205,8 @@ def test_without_the_restore_after_warmup_the_stages_part(monkeypatch, stage_7):
 
 def test_without_the_generator_registration_replays_draw_the_same_numbers(monkeypatch,
                                                                          stage_7):
-    """Mutation: a capture that does not register the sampling generator is a problem, and in
-    a lenient rehearsal every replay samples with the same noise, as on a GPU."""
+    """Mutation: a capture that does not register the sampling generator is a problem (a real
+    capture raises), and in a lenient rehearsal every replay samples with the same noise."""
     init = CapturedStep.__init__
 
     def init_without_generator(self, step, state, generator=None, after_replay=None):
@@ -282,7 +282,8 @@ def test_rehearse_a_capturable_step_and_keep_its_results():
 @pytest.mark.parametrize("case, kind", [
     ("item", "host_read"), ("print", "host_read"), ("to_cpu", "host_read"),
     ("mask", "dynamic_shape"), ("nonzero", "dynamic_shape"), ("tensor", "host_tensor"),
-    ("generator", "unregistered_generator"), ("shape", "shape"), ("number", "not_static")])
+    ("generator", "unregistered_generator"), ("shape", "shape"), ("number", "not_static"),
+    ("arange", "host_mix"), ("host_through_ops", "host_mix")])
 def test_rehearse_names_each_problem_at_its_line(case, kind, capsys):
     gen = torch.Generator().manual_seed(0)
     calls = []
@@ -304,6 +305,11 @@ def test_rehearse_names_each_problem_at_its_line(case, kind, capsys):
             y = y + torch.tensor([1.0, 2.0, 3.0, 4.0])
         elif case == "generator":
             y = y + torch.rand(y.shape, generator=gen)
+        elif case == "arange":
+            y = y * torch.arange(4)  # a host tensor on a GPU
+        elif case == "host_through_ops":
+            idx = torch.ones(8)[::2] * 2  # still a host tensor after two ops
+            y = y - idx
         elif case == "shape":
             y = y[: len(calls)]  # the capture's output is longer than the warm-up's
         elif case == "number":
@@ -317,6 +323,26 @@ def test_rehearse_names_each_problem_at_its_line(case, kind, capsys):
         (where,) = {p.where for p in report.problems if p.kind == kind}
         assert where.startswith("tests/test_rehearsal.py:") and "(step)" in where
     assert f"[{kind}]" in str(report)
+    if case == "item":  # one read is counted once
+        assert str(report).count("[host_read]") == 1 and "(1x)" in str(report)
+
+
+def test_a_tensor_made_with_a_device_or_a_host_scalar_is_no_problem():
+    def step(x):
+        here = torch.arange(4, device=x.device) + torch.zeros_like(x) + x.new_ones(4)
+        return x * here + torch.zeros(()) + torch.full((), 2.0)  # 0-d host scalars: allowed
+
+    report = rehearse(step, torch.arange(4.0))
+    assert report.ok, report
+
+
+def test_the_planted_host_tensor_in_stage_8_is_found():
+    """The GRPO report's bug (``torch.zeros(n)`` without ``device=`` in the metrics, planted as
+    ``cpu_tensor``) runs on a CPU and raises on a GPU; the rehearsal finds it at its line."""
+    report = rehearse_stage(plant(GRAPHED, "cpu_tensor"), RUN, iterations=1)
+    assert not report.ok
+    assert {p.kind for p in report.problems} == {"host_mix"}
+    assert all(p.where.startswith("labkit/plants.py:") for p in report.problems)
 
 
 def test_rehearse_refuses_bad_input():
@@ -329,6 +355,7 @@ def test_rehearse_refuses_bad_input():
 @pytest.mark.parametrize("argv, code, needle", [
     ([], 0, "capturable; 2 graphs replayed"),
     (["--plant", "unfused_adam"], 1, "[host_read]"),
+    (["--plant", "cpu_tensor"], 1, "[host_mix]"),
     (["--stage", "7"], 2, "has no CUDA graphs to rehearse"),
     (["--device", "cuda"], 2, "--device"),
     (["--plant", "warp"], 2, "plant must be one of"),
