@@ -20,7 +20,7 @@ test: $(STAMP)  ## unit tests + every notebook under nbval
 lab: $(STAMP)  ## JupyterLab on the notebooks
 	$(BIN)/jupyter lab notebooks
 
-record: $(STAMP)  ## re-record results and notebooks on this machine (see labkit/record.py)
+record: $(STAMP)  ## re-record results and notebooks on this machine (see labkit/app/record.py)
 	$(BIN)/python -m labkit record
 
 report: $(STAMP)  ## regenerate results/RESULTS.md and the README's results from the JSON

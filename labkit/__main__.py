@@ -1,3 +1,3 @@
-from labkit.cli import main
+from labkit.app.cli import main
 
 raise SystemExit(main())

@@ -7,7 +7,7 @@ run real work they must take back, and all three use it:
   cuDNN warmup happen there), then the state from before it;
 * ``CapturedStep``: a CUDA graph is captured after a few warmup calls on a side stream (as
   torch's docs require), which really train and really step the envs;
-* checkpoints (``labkit.checkpoint``) save and load the same dict.
+* checkpoints (``labkit.app.checkpoint``) save and load the same dict.
 
 Restores write *in place*: compiled code and captured graphs hold the very tensors (parameters,
 optimizer moments, the LR, env state, rollout buffers), so a restore copies values into them

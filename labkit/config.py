@@ -1,7 +1,7 @@
 """Configuration: typed, validated, derived values computed once, named presets.
 
 One spine: ``RunConfig`` is what a pipeline runs (shape, seed, env, PPO); ``BenchConfig`` adds
-how the ladder measures it, and ``labkit.train.TrainConfig`` how long a training run goes.
+how the ladder measures it, and ``labkit.app.train.TrainConfig`` how long a training run goes.
 """
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def deterministic() -> Iterator[None]:
 
 def capturing() -> bool:
     """Whether a CUDA graph is being captured on the current stream: then nothing may read the
-    host. False without CUDA (``labkit.rehearsal`` stands in for torch.cuda's answer while it
+    host. False without CUDA (``labkit.doctor.rehearsal`` stands in for torch.cuda's answer while it
     captures on the CPU). Not for a hot path on the CPU: there it raises and catches."""
     try:
         return torch.cuda.is_current_stream_capturing()
@@ -110,7 +110,7 @@ def git_commit_source() -> str:
 
 def run_metadata(device: torch.device, profile: str | None = None) -> dict:
     """Where and when a result was measured: the one metadata block of every results file."""
-    from . import __version__
+    from .version import __version__
 
     return {"device": device.type, "device_name": device_name(device),
             "torch": torch.__version__, "labkit": __version__,

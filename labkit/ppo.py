@@ -2,7 +2,7 @@
 
 Shapes: rollout tensors are (T, N) (time, env); the update works on flattened (T*N, ...) batches.
 Nothing here calls ``.item()`` or branches on tensor values, so the pieces can be compiled,
-replayed as CUDA graphs, and metered with :class:`labkit.syncmeter.SyncMeter`.
+replayed as CUDA graphs, and metered with :class:`labkit.measure.syncmeter.SyncMeter`.
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 import torch
 
-from labkit.show import group_sites, rows_table
-from labkit.syncmeter import SyncMeter
+from labkit.book.show import group_sites, rows_table
+from labkit.measure.syncmeter import SyncMeter
 from labkit.timing import PHASES, amdahl_sps
 
 
@@ -74,7 +74,7 @@ def test_time_over_n_draws_iteration_ceiling_and_proportional_lines():
     import matplotlib
 
     matplotlib.use("Agg")
-    from labkit.plots import time_over_n
+    from labkit.book.plots import time_over_n
 
     rows = [{"status": "ok", "n_envs": n, "n_steps": 10, "iteration_s": s, "ceiling_sps": c}
             for n, s, c in ((8, 0.1, 1600), (32, 0.12, 6400), (128, 0.3, 12800))]
@@ -89,7 +89,7 @@ def test_time_over_n_draws_iteration_ceiling_and_proportional_lines():
 
 
 def test_reads_by_line_keys_each_read_by_its_line_of_code():
-    from labkit.show import reads_by_line
+    from labkit.book.show import reads_by_line
 
     x = torch.tensor([3, -1, 2, 0, 5])
     with SyncMeter(call_sites=True) as m:

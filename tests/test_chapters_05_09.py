@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from labkit.show import recorded_gpu
+from labkit.book.show import recorded_gpu
 from labkit.timing import break_even
 
 
@@ -48,7 +48,7 @@ def test_break_even_is_the_size_from_which_the_candidate_always_wins():
 
 
 def test_reads_by_file_drops_lines_functions_and_via():
-    from labkit.show import reads_by_file
+    from labkit.book.show import reads_by_file
 
     sites = {"labkit/ppo.py:210 (minibatch_step) via torch/optim/adam.py:400": 96,
              "labkit/ppo.py:214 (minibatch_step) via torch/optim/adam.py:420": 64,

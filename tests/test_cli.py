@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from labkit.cli import main
+from labkit.app.cli import main
 
 
 def test_unknown_device_is_a_clear_error(capsys):

@@ -8,10 +8,10 @@ import torch
 from labkit import debug
 from labkit.capture import warmup
 from labkit.config import RunConfig
-from labkit.plants import nan_observation
-from labkit.profiling import op_counts, profile_calls
+from labkit.doctor.plants import nan_observation
+from labkit.measure.profiling import op_counts, profile_calls
+from labkit.measure.syncmeter import SyncMeter
 from labkit.stages import Pipeline
-from labkit.syncmeter import SyncMeter
 
 CPU = torch.device("cpu")
 RUN = RunConfig(n_envs=8, n_steps=8)

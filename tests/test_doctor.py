@@ -8,13 +8,14 @@ import json
 import pytest
 import torch
 
-from labkit import cli, plants
+from labkit.app import cli
 from labkit.config import RunConfig
-from labkit.doctor import KINDS, Finding, _Watch, diagnose, without_graphs
+from labkit.doctor import KINDS, Finding, diagnose, plants, without_graphs
+from labkit.doctor.checkup import _Watch
+from labkit.doctor.plants import PLANTS, plant
 from labkit.envs import ForageTorch
 from labkit.executors import Compiled, Eager, Graphed
 from labkit.metrics import DeviceEpisodeStats
-from labkit.plants import PLANTS, plant
 from labkit.policy import Agent, ValueHead
 from labkit.stages import Pipeline, get_stage
 
@@ -53,7 +54,7 @@ def clean():
 
 
 def _lines(name: str) -> set[str]:
-    """``labkit/plants.py:N`` of the lines that carry a plant's bug."""
+    """``labkit/doctor/plants.py:N`` of the lines that carry a plant's bug."""
     return {site for site, _ in PLANTS[name].lines()}
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import checkpoint
+from labkit.app import checkpoint
+from labkit.app.cli import main
+from labkit.app.train import TrainConfig, train
 from labkit.capture import tree_tensors
-from labkit.cli import main
 from labkit.config import RunConfig
+from labkit.measure.syncmeter import SyncMeter
 from labkit.stages import Pipeline
-from labkit.syncmeter import SyncMeter
-from labkit.train import TrainConfig, train
 
 ROOT = Path(__file__).parents[1]
 

@@ -11,9 +11,9 @@ from labkit.envs import (
     ForageSpec,
     ForageTorch,
     ForageTorchLoop,
-    bench_envs,
     mean_return,
 )
+from labkit.measure.envbench import bench_envs
 
 VECTOR = [ForageNumpy, ForageTorch, ForageTorchLoop]
 TORCH = [ForageTorch, ForageTorchLoop]

@@ -11,14 +11,13 @@ from labkit.envs import (
     ForageSpec,
     ForageTorch,
     ForageTorchLoop,
-    bench_envs,
-    format_table,
     kth_free,
     mean_return,
     oracle_actions,
     random_actions,
 )
-from labkit.syncmeter import SyncMeter
+from labkit.measure.envbench import bench_envs, format_table
+from labkit.measure.syncmeter import SyncMeter
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 FIELDS = ("obs", "reward", "terminated", "truncated", "episode_return", "episode_length",

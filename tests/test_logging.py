@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from labkit.logging import AsyncLogger, SyncLogger
-from labkit.syncmeter import SyncMeter
+from labkit.measure.syncmeter import SyncMeter
 
 ROOT = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

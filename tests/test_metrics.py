@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from labkit.measure.syncmeter import SyncMeter
 from labkit.metrics import DeviceEpisodeStats, EagerEpisodeStats
-from labkit.syncmeter import SyncMeter
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

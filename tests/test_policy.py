@@ -5,8 +5,8 @@ import inspect
 import pytest
 import torch
 
+from labkit.measure.syncmeter import SyncMeter
 from labkit.policy import Agent, PopArtValueHead, ValueHead, flops_per_sample
-from labkit.syncmeter import SyncMeter
 
 
 def _obs(n: int, view: int = 7, seed: int = 0) -> torch.Tensor:

@@ -49,7 +49,7 @@ def test_the_tf32_advice_is_answered_by_labkit():
 
 
 def test_ladder_controls_without_ipywidgets_say_so_in_one_line(monkeypatch, capsys):
-    from labkit import widgets
+    from labkit.book import widgets
 
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # import fails as if not installed
     assert widgets.ladder_controls() is None

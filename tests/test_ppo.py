@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from labkit.measure.syncmeter import SyncMeter
 from labkit.policy import Agent
 from labkit.ppo import (
     Batch,
@@ -17,7 +18,6 @@ from labkit.ppo import (
     set_lr,
 )
 from labkit.precision import PRECISIONS, Precision, ScaledPrecision, amp, fp32
-from labkit.syncmeter import SyncMeter
 from labkit.update import Adam, FusedAdam
 
 CPU = torch.device("cpu")

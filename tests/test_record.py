@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import cli
-from labkit.record import (
+from labkit.app import cli
+from labkit.app.record import (
     PART_BUDGET_MIN,
     README_BEGIN,
     README_END,
@@ -78,8 +78,8 @@ def test_the_readme_shows_the_report_byte_for_byte():
 
 
 def test_record_refuses_modified_code(monkeypatch, tmp_path):
-    import labkit.record
-    monkeypatch.setattr(labkit.record, "_dirty_code", lambda: ["labkit/stages.py"])
+    import labkit.app.record
+    monkeypatch.setattr(labkit.app.record, "_dirty_code", lambda: ["labkit/stages.py"])
     with pytest.raises(RecordError, match="labkit/stages.py"):
         record(torch.device("cpu"), "tiny", tmp_path, parts=("report",))
     assert list(tmp_path.iterdir()) == []
@@ -136,16 +136,16 @@ def test_parts_recorded_one_by_one_merge_into_what_one_run_writes(tmp_path):
 
 
 def test_an_interrupted_part_keeps_its_finished_rows(tmp_path, monkeypatch):
-    import labkit.bench
+    import labkit.measure.bench
 
-    measure = labkit.bench.measure_stage
+    measure = labkit.measure.bench.measure_stage
 
     def stopped_at_stage_4(stage, *args, **kwargs):
         if stage.index == 4:
             raise KeyboardInterrupt
         return measure(stage, *args, **kwargs)
 
-    monkeypatch.setattr(labkit.bench, "measure_stage", stopped_at_stage_4)
+    monkeypatch.setattr(labkit.measure.bench, "measure_stage", stopped_at_stage_4)
     with pytest.raises(KeyboardInterrupt):
         _record(tmp_path, "ladder", run="cut")
     result = json.loads((tmp_path / "ladder_cpu_tiny.json").read_text())
@@ -155,7 +155,7 @@ def test_an_interrupted_part_keeps_its_finished_rows(tmp_path, monkeypatch):
     log = json.loads((tmp_path / "record_log_cpu_tiny.json").read_text())["parts"]
     assert (log["ladder-3"]["status"], log["ladder-4"]["status"]) == ("done", "interrupted")
     # the rest, recorded later, completes the file
-    monkeypatch.setattr(labkit.bench, "measure_stage", measure)
+    monkeypatch.setattr(labkit.measure.bench, "measure_stage", measure)
     _record(tmp_path, "ladder-4", run="cut")
     result = json.loads((tmp_path / "ladder_cpu_tiny.json").read_text())
     assert [r["stage"] for r in result["ladder"]] == [3, 4]

@@ -1,23 +1,24 @@
-"""Stage 8 in CI without a GPU: labkit's graph code, unchanged, captured and replayed on the CPU
-by ``labkit.rehearsal``, and checked against stage 7 run eagerly. Controls prove that the graphs
-really replay (no Python after the capture, a float LR frozen in them), mutation tests that the
-checks can fail, and ``rehearse`` / ``python -m labkit rehearse`` report what a real capture
-would refuse."""
+"""Stage 8 in CI without a GPU: labkit's graph code, unchanged, captured and replayed on the
+CPU by ``labkit.doctor.rehearsal``, and checked against stage 7 run eagerly. Controls prove that
+the graphs really replay (no Python after the capture, a float LR frozen in them), mutation
+tests that the checks can fail, and ``rehearse`` / ``python -m labkit rehearse`` report what a
+real capture would refuse."""
 import dataclasses
 
 import pytest
 import torch
 
-from labkit import cli, rehearse
-from labkit.bench import measure_stage
+from labkit import rehearse
+from labkit.app import cli
 from labkit.capture import WARMUP_CALLS, CapturedStep, warmup
 from labkit.config import BenchConfig, RunConfig
+from labkit.doctor.plants import plant
+from labkit.doctor.rehearsal import CaptureError, rehearsal, rehearse_stage
 from labkit.envs import ForageSpec
-from labkit.plants import plant
-from labkit.rehearsal import CaptureError, rehearsal, rehearse_stage
+from labkit.measure.bench import measure_stage
+from labkit.measure.syncmeter import SyncMeter
 from labkit.rollout import DeviceCollector
 from labkit.stages import STAGES, Pipeline
-from labkit.syncmeter import SyncMeter
 from labkit.update import FusedAdam
 
 RUN = RunConfig(n_envs=8, n_steps=16, spec=ForageSpec(episode_length=12))
@@ -102,9 +103,9 @@ def test_measure_stage_8_is_ok_with_one_read_per_iteration():
 
 
 def test_train_stage_8_resumes_bit_exactly(tmp_path):
-    from labkit import checkpoint
+    from labkit.app import checkpoint
+    from labkit.app.train import TrainConfig, train
     from labkit.capture import tree_tensors
-    from labkit.train import TrainConfig, train
 
     cfg = TrainConfig.flat(stage="cuda_graphs", device="cpu", n_envs=8, n_steps=16, seed=2,
                            total_steps=8 * 16 * 6, checkpoint_every=0)
@@ -342,7 +343,7 @@ def test_the_planted_host_tensor_in_stage_8_is_found():
     report = rehearse_stage(plant(GRAPHED, "cpu_tensor"), RUN, iterations=1)
     assert not report.ok
     assert {p.kind for p in report.problems} == {"host_mix"}
-    assert all(p.where.startswith("labkit/plants.py:") for p in report.problems)
+    assert all(p.where.startswith("labkit/doctor/plants.py:") for p in report.problems)
 
 
 def test_rehearse_refuses_bad_input():

@@ -19,15 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import checkpoint, debug
-from labkit.cli import main
+from labkit import debug
+from labkit.app import checkpoint
+from labkit.app.cli import main
+from labkit.app.train import TrainConfig, TrainingFailed, train
 from labkit.config import BenchConfig, RunConfig
 from labkit.envs.spec import ForageSpec
 from labkit.files import FolderLock, OutputError, check_output_dir, unique_folder, write_json
 from labkit.logging import AsyncLogger, SyncLogger
 from labkit.ppo import PPOConfig
 from labkit.stages import Pipeline, get_stage
-from labkit.train import TrainConfig, TrainingFailed, train
 
 ROOT = Path(__file__).parents[1]
 SPEC = ForageSpec(episode_length=20)
@@ -80,7 +81,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
 
 def start_training(out: Path, *extra: str, script_prefix: str = "") -> subprocess.Popen:
     """A long training run in a real process (4 envs x 16 steps per iteration)."""
-    code = (f"{script_prefix}\nimport sys\nfrom labkit.cli import main\n"
+    code = (f"{script_prefix}\nimport sys\nfrom labkit.app.cli import main\n"
             f"sys.exit(main(sys.argv[1:]))")
     argv = ["--stage", "async_logging", "--device", "cpu", "--n-envs", "4", "--n-steps", "16",
             "--total-steps", "640000", "--no-progress", "--out", str(out), *extra]
@@ -165,7 +166,7 @@ def test_a_full_disk_during_training_is_one_line_and_keeps_the_checkpoint(tmp_pa
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_its_start(tmp_path):
     out = tmp_path / "r"
     proc = start_training(out, "--total-steps", "640", "--checkpoint-every", "0",
-                          script_prefix="import time, labkit.train as t\n"
+                          script_prefix="import time, labkit.app.train as t\n"
                           "_it = t.Pipeline.iteration\n"
                           "def slow(self):\n    time.sleep(0.3)\n    return _it(self)\n"
                           "t.Pipeline.iteration = slow")
@@ -213,7 +214,7 @@ def test_sigterm_and_sighup_save_and_exit_128_plus_signal(tmp_path, sig):
 
 def slow_save_prefix(marker: Path) -> str:
     """Script lines that make every checkpoint save touch ``marker`` and take 1.5 s."""
-    return ("import time, pathlib, labkit.checkpoint as c\n_save = c.save\n"
+    return ("import time, pathlib, labkit.app.checkpoint as c\n_save = c.save\n"
             "def slow_save(path, payload):\n"
             f"    pathlib.Path({str(marker)!r}).touch()\n"
             "    time.sleep(1.5)\n    return _save(path, payload)\nc.save = slow_save")
@@ -295,9 +296,9 @@ def test_a_bad_line_in_the_middle_of_the_metrics_stops_resume(copy_of, capsys):
 
 
 def test_ladder_keeps_what_it_measured_on_ctrl_c(tmp_path, capsys, monkeypatch):
-    import labkit.bench
+    import labkit.measure.bench
 
-    real = labkit.bench.measure_stage
+    real = labkit.measure.bench.measure_stage
     calls = []
 
     def measure_then_interrupt(*args, **kwargs):
@@ -306,7 +307,7 @@ def test_ladder_keeps_what_it_measured_on_ctrl_c(tmp_path, capsys, monkeypatch):
             signal.raise_signal(signal.SIGINT)  # a real Ctrl-C, during the second stage
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(labkit.bench, "measure_stage", measure_then_interrupt)
+    monkeypatch.setattr(labkit.measure.bench, "measure_stage", measure_then_interrupt)
     code, out, _ = run_cli(["ladder", "--device", "cpu", "--stages", "3,4", "--n-envs", "4",
                             "--n-steps", "8", "--no-scaling", "--no-progress",
                             "--out", str(tmp_path)], capsys)

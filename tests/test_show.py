@@ -1,10 +1,10 @@
 """The chapters' helpers: labkit's own source, what a stage changes, profiler tables."""
 import torch
 
+from labkit.book.show import changed_slots, diff, reads_table, source, stage_table
 from labkit.capture import warmup
 from labkit.config import RunConfig
-from labkit.profiling import op_counts, profile_calls, top_ops
-from labkit.show import changed_slots, diff, reads_table, source, stage_table
+from labkit.measure.profiling import op_counts, profile_calls, top_ops
 from labkit.stages import STAGES, Pipeline
 
 

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import labkit
-from labkit.bench import measure_stage, run_ladder
 from labkit.capture import tree_tensors, warmup
 from labkit.config import BenchConfig, RunConfig
 from labkit.envs import ForageSpec
+from labkit.measure.bench import measure_stage, run_ladder
+from labkit.measure.syncmeter import SyncMeter
 from labkit.ppo import PPOConfig
 from labkit.precision import Bf16, agrees, update_agreement
 from labkit.stages import STAGES, Pipeline, Stage, StageSkipped, get_stage
-from labkit.syncmeter import SyncMeter
 from labkit.timing import PHASES
 
 CPU = torch.device("cpu")
@@ -132,12 +132,12 @@ def test_skipped_stage_is_reported_not_replaced():
 
 
 def test_a_failing_stage_is_reported_as_an_error(monkeypatch):
-    import labkit.bench
+    import labkit.measure.bench
 
     def boom(pipeline):
         raise RuntimeError("capture failed")
 
-    monkeypatch.setattr(labkit.bench, "warmup", boom)
+    monkeypatch.setattr(labkit.measure.bench, "warmup", boom)
     row = measure_stage(get_stage("batched_ops"), BENCH, CPU)
     assert row["status"] == "error: RuntimeError: capture failed"
     assert "sps" not in row

@@ -3,7 +3,7 @@ import threading
 import pytest
 import torch
 
-from labkit.syncmeter import SyncMeter, count_host_reads
+from labkit.measure.syncmeter import SyncMeter, count_host_reads
 
 
 @pytest.mark.parametrize("k", [0, 1, 5])

@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import checkpoint
+from labkit.app import checkpoint
+from labkit.app.cli import main
+from labkit.app.train import TrainConfig, TrainingInterrupted, train
 from labkit.capture import tree_tensors
-from labkit.cli import main
 from labkit.config import RunConfig
 from labkit.envs.policies import mean_return
 from labkit.envs.spec import ForageSpec
 from labkit.executors import Eager
 from labkit.ppo import PPOConfig
 from labkit.stages import Pipeline, get_stage
-from labkit.train import TrainConfig, TrainingInterrupted, train
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -306,7 +306,7 @@ def test_kill_during_write_leaves_the_previous_checkpoint(tmp_path, reference_ru
     script = f"""
 import os, signal, torch
 import labkit.files
-from labkit import checkpoint
+from labkit.app import checkpoint
 def die(fd):
     os.kill(os.getpid(), signal.SIGKILL)
 labkit.files.os.fsync = die

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 
-from .bench import bench_envs, format_table
 from .numpy import ForageNumpy, Layout
 from .policies import mean_return, oracle_actions, random_actions
 from .python import ForagePy, ForagePyList
@@ -13,7 +12,7 @@ from .torch_loop import ForageTorchLoop
 
 __all__ = ["ACTION_DELTAS", "EMPTY", "FOOD", "N_ACTIONS", "POISON", "WALL", "ForageNumpy",
            "ForagePy", "ForagePyList", "ForageSpec", "ForageTorch", "ForageTorchLoop", "Layout",
-           "bench_envs", "format_table", "kth_free", "mean_return", "oracle_actions",
+           "kth_free", "mean_return", "oracle_actions",
            "random_actions"]
 
 if importlib.util.find_spec("gymnasium") is not None:  # optional: pip install 'labkit[gym]'

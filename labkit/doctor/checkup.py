@@ -38,10 +38,8 @@ iteration: an upper bound) and the ``chapter`` whose notebook teaches the fix.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import inspect
-import json
 import os
 import re
 import statistics
@@ -55,15 +53,15 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from .bench import _timed_iteration
-from .capture import warmup
-from .config import RunConfig, check_memory
-from .device import resolve_device, synchronize
-from .distributed import SINGLE
-from .executors import Graphed
-from .show import parse_site, source_line
-from .stages import STAGES, Pipeline, Stage, get_stage
-from .syncmeter import SyncMeter, _short, call_site
+from .. import capture, policy, ppo, precision, stages, timing, update
+from ..capture import warmup
+from ..config import RunConfig, check_memory
+from ..device import resolve_device, synchronize
+from ..distributed import SINGLE
+from ..executors import Graphed
+from ..measure.bench import timed_iteration
+from ..measure.syncmeter import SyncMeter, call_site, parse_site, short_path, source_line
+from ..stages import STAGES, Pipeline, Stage, get_stage
 
 KINDS = ("host_read", "cpu_allocation", "memory_growth", "excess_ops", "recompile",
          "graph_break", "precision", "error")
@@ -129,10 +127,9 @@ _SLOT_PHASES = {
     "precision": ("update",), "rollout": ("policy", "graph"), "update": ("update",),
     "pipeline": ("io", "gae"), "user code": ("policy", "env", "io", "metrics", "update"),
 }
-_MODULE_SLOT = {"labkit/ppo.py": "update", "labkit/policy.py": "model",
-                "labkit/stages.py": "pipeline", "labkit/capture.py": "pipeline",
-                "labkit/update.py": "update", "labkit/precision.py": "precision",
-                "labkit/timing.py": "pipeline"}
+_MODULE_SLOT = {short_path(module.__file__): slot for module, slot in (
+    (ppo, "update"), (policy, "model"), (stages, "pipeline"), (capture, "pipeline"),
+    (update, "update"), (precision, "precision"), (timing, "pipeline"))}
 
 _FACTORIES = {f"torch.{n}" for n in (
     "zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "linspace", "logspace",
@@ -279,7 +276,7 @@ class _Parts:
             for obj in _classes(part) + extra.get(slot, []):
                 try:
                     lines, first = inspect.getsourcelines(obj)
-                    path = _short(inspect.getsourcefile(obj))
+                    path = short_path(inspect.getsourcefile(obj))
                 except (OSError, TypeError):
                     continue
                 self.ranges.append((slot, path, first, first + len(lines) - 1))
@@ -479,7 +476,7 @@ def _dynamo_reasons(before: dict, parts: _Parts) -> tuple[list[str], str]:
     out, slot = [], None
     for code, reasons in guard_failures.items():
         for reason in reasons[before.get(code, 0):]:
-            file = _short(code.co_filename)
+            file = short_path(code.co_filename)
             slot = slot or parts.slot_of(file, code.co_firstlineno, None)
             out.append(f"{code.co_name} ({file}:{code.co_firstlineno}) recompiled: "
                        + reason.split("\n", 1)[0])
@@ -666,7 +663,7 @@ def _error_finding(err: Exception, parts: _Parts, phase: str) -> Finding:
         kind, summary = "error", f"the stage raised in {phase}: {type(err).__name__}: {first}"
         fix = _CAPTURE_FIX if "captur" in text.lower() else _ERROR_FIX
         explanation = explanation or f"{type(err).__name__}: {first}"
-    frames = [f"{_short(file)}:{line} ({func})" for file, line, func in found
+    frames = [f"{short_path(file)}:{line} ({func})" for file, line, func in found
               if not file.startswith(_TORCH_DIR)]
     slot = parts.site_slot(frames[-1]) if frames else "update"
     return Finding(kind, parts.describe(slot), summary,
@@ -746,7 +743,7 @@ def _diagnose(pipe: Pipeline, report: Report, iterations: int, baseline: bool) -
         snaps.append(_memory(pipe))
         step = "the timed iterations"
         for _ in range(iterations):
-            seconds, ms, _ = _timed_iteration(pipe, marked=True)
+            seconds, ms, _ = timed_iteration(pipe, marked=True)
             times.append(seconds)
             phases.append(ms)
             snaps.append(_memory(pipe))
@@ -817,44 +814,3 @@ def _diagnose(pipe: Pipeline, report: Report, iterations: int, baseline: bool) -
         return KINDS.index(f.kind), -(ev.get("per_step", 0) * n_steps + ev.get("per_update", 0))
 
     report.findings = sorted(findings, key=order)
-
-
-# ---------------------------------------------------------------------------- the CLI
-
-
-def cmd_doctor(args: argparse.Namespace) -> int:
-    """Run ``diagnose`` for ``python -m labkit doctor``; 0 without findings, 1 with findings."""
-    from .plants import plant
-
-    stage = plant(args.stage, args.plant) if args.plant else args.stage
-    sizes = {k: v for k, v in (("n_envs", args.n_envs), ("n_steps", args.n_steps)) if v}
-    report = diagnose(stage, iterations=args.iterations, cfg=RunConfig(**{**DOCTOR_RUN, **sizes}),
-                      device=args.device)
-    print(json.dumps(report.to_dict()) if args.json else report.format())
-    return 1 if report.findings else 0
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``doctor`` on ``labkit.cli``'s subparsers (usage errors: one line, exit 2)."""
-    from .cli import _int_at_least, _stage
-    from .plants import PLANT_NAMES
-
-    p = subparsers.add_parser(
-        "doctor", help="run a few iterations under the meters and report regressions",
-        description="Run a stage for a few iterations under the sync meter, a function watch, a "
-                    "memory tracker and dynamo's counters; print what regressed and the "
-                    "chapter with the fix. Exit 0 without findings, 1 with, 2 on a usage error.")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--stage", type=_stage, default="fused_amp",
-                   help="0-8 or a name (default: fused_amp)")
-    p.add_argument("--plant", default=None,
-                   help=f"plant a regression: {', '.join(PLANT_NAMES)}")
-    p.add_argument("--n-envs", type=_int_at_least(1), default=None,
-                   help=f"N (default: {DOCTOR_RUN['n_envs']})")
-    p.add_argument("--n-steps", type=_int_at_least(1), default=None,
-                   help=f"T (default: {DOCTOR_RUN['n_steps']})")
-    p.add_argument("--iterations", type=_int_at_least(2), default=2,
-                   help="timed iterations, >= 2 (default: 2)")
-    p.add_argument("--json", action="store_true", help='print {"findings": [...], ...}')
-    p.set_defaults(func=cmd_doctor)
-    return p

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .stages import STAGES
+from ..stages import STAGES
 
 #: Sizes offered per device type: a CPU ladder at 512 envs already takes minutes.
 N_CHOICES = {"cpu": [8, 16, 32, 64, 128, 256, 512],
@@ -31,8 +31,8 @@ def ladder_controls(n_envs: int | None = None, n_steps: int | None = None,
     import matplotlib.pyplot as plt
     from IPython.display import display
 
-    from .bench import format_ladder, format_phases, run_ladder
-    from .config import BenchConfig
+    from ..config import BenchConfig
+    from ..measure.bench import format_ladder, format_phases, run_ladder
     from .plots import ladder_bars, phase_bars
 
     class LadderForm(w.VBox):

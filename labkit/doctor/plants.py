@@ -38,14 +38,15 @@ from typing import Any
 
 import torch
 
-from .envs import ForageTorch
-from .logging import AsyncLogger
-from .metrics import DeviceEpisodeStats
-from .policy import HIDDEN, Agent, PopArtValueHead
-from .precision import Amp, Precision
-from .rollout import DeviceCollector
-from .stages import Stage, get_stage
-from .update import Adam
+from ..envs import ForageTorch
+from ..logging import AsyncLogger
+from ..measure.syncmeter import short_path
+from ..metrics import DeviceEpisodeStats
+from ..policy import HIDDEN, Agent, PopArtValueHead
+from ..precision import Amp, Precision
+from ..rollout import DeviceCollector
+from ..stages import Stage, get_stage
+from ..update import Adam
 
 # ---------------------------------------------------------------------------- logger
 
@@ -283,9 +284,11 @@ class Plant:
         return " ".join((self.source.__doc__ or "").split())
 
     def lines(self) -> list[tuple[str, str]]:
-        """(``labkit/plants.py:N``, text) of the lines marked ``planted``: the bug itself."""
+        """(``file:N``, text) of the lines marked ``planted``: the bug itself (the file as a
+        call site names it: ``labkit/doctor/plants.py``)."""
         lines, first = inspect.getsourcelines(self.source)
-        return [(f"labkit/plants.py:{first + i}", text.strip())
+        path = short_path(inspect.getsourcefile(self.source))
+        return [(f"{path}:{first + i}", text.strip())
                 for i, text in enumerate(lines) if "# planted" in text or "# the planted" in text]
 
 

@@ -9,11 +9,11 @@ import numpy as np
 import torch
 
 from ..device import resolve_device, run_metadata, synchronize
-from .numpy import ForageNumpy
-from .python import ForagePy
-from .spec import N_ACTIONS, ForageSpec, check_int
-from .torch import ForageTorch
-from .torch_loop import ForageTorchLoop
+from ..envs.numpy import ForageNumpy
+from ..envs.python import ForagePy
+from ..envs.spec import N_ACTIONS, ForageSpec, check_int
+from ..envs.torch import ForageTorch
+from ..envs.torch_loop import ForageTorchLoop
 
 IMPLS = ("ForagePy", "ForageNumpy", "ForageTorchLoop", "ForageTorch")
 

@@ -20,7 +20,7 @@ code run as they are, with these semantics:
   offset for a CUDA generator not in capture mode"); a lenient rehearsal replays the same
   numbers from it every time, so that what depends on it shows;
 * **what a capture cannot do is a problem**, with the call site: a host read (whatever
-  ``labkit.syncmeter`` counts, ``.to("cpu")`` included, since every tensor stands for a
+  ``labkit.measure.syncmeter`` counts, ``.to("cpu")`` included, since every tensor stands for a
   device tensor), an op torch tags as data-dependent, of dynamic output shape or unsafe in a
   CUDA graph, ``torch.tensor(...)`` built inside the capture (a host-to-device copy), a
   tensor made without ``device=`` (a host tensor on a GPU) mixed into an op with device
@@ -70,7 +70,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .syncmeter import SyncMeter, call_site
+from ..measure.syncmeter import SyncMeter, call_site
 
 _TAGS = {torch.Tag.data_dependent_output: "data_dependent",
          torch.Tag.dynamic_output_shape: "dynamic_shape"}
@@ -445,15 +445,15 @@ class rehearsal:  # noqa: N801 - used like torch's context managers
     # ------------------------------------------------------------------ enter / exit
 
     def __enter__(self) -> rehearsal:
-        from . import stages
+        from ..stages import REQUIREMENTS
 
         stack = self._stack.__enter__()
         try:
             for name, value in self._stand_ins().items():
                 stack.enter_context(_patched(torch.cuda, name, value))
-            stack.enter_context(_patched(stages, "REQUIREMENTS", {
+            stack.enter_context(_patched_items(REQUIREMENTS, {
                 need: (lambda device: True, reason)
-                for need, (_, reason) in stages.REQUIREMENTS.items()}))
+                for need, (_, reason) in REQUIREMENTS.items()}))
             stack.enter_context(torch.compiler.set_stance("force_eager"))
             stack.enter_context(_read_flag(self))
         except BaseException:
@@ -473,6 +473,17 @@ def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(obj, name, old)
+
+
+@contextlib.contextmanager
+def _patched_items(mapping: dict, values: dict) -> Iterator[None]:
+    old = dict(mapping)
+    mapping.update(values)
+    try:
+        yield
+    finally:
+        mapping.clear()
+        mapping.update(old)
 
 
 @contextlib.contextmanager
@@ -544,7 +555,7 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
     host reads, data-dependent ops, unregistered generators, inputs or outputs whose shapes
     differ between the warm-up and the capture, and outputs that are not tensors made by the
     graph. Nothing is replayed when a real capture would have failed."""
-    from .capture import clone_state
+    from ..capture import clone_state
 
     if isinstance(replays, bool) or not isinstance(replays, int) or replays < 0:
         raise ValueError(f"replays must be an int >= 0, got {replays!r}")
@@ -621,9 +632,9 @@ def rehearse_stage(stage: Any, cfg: Any = None, iterations: int = 2) -> StageRep
     ``iterations`` iterations, and run the same stage without its graphs, both eagerly: the
     problems its captures found, and whether every rollout, every update's statistics and the
     parameters after each update are bit-identical."""
-    from .config import RunConfig
-    from .doctor import without_graphs
-    from .stages import Pipeline, get_stage
+    from ..config import RunConfig
+    from ..stages import Pipeline, get_stage
+    from .checkup import without_graphs
 
     stage = get_stage(stage)
     cfg = cfg if cfg is not None else RunConfig(n_envs=16, n_steps=16)

@@ -26,22 +26,23 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, debug
-from .config import RunConfig, check_memory, split_run_fields
-from .device import ALLOWED as DEVICES
-from .device import resolve_device
-from .distributed import SINGLE, Group, join, leave, parameter_checksum
-from .envs.spec import check_int
-from .files import (
+from .. import debug
+from ..config import RunConfig, check_memory, split_run_fields
+from ..device import ALLOWED as DEVICES
+from ..device import resolve_device
+from ..distributed import SINGLE, Group, join, leave, parameter_checksum
+from ..envs.spec import check_int
+from ..files import (
     FolderLock,
     check_output_dir,
     describe_os_error,
     write_json,
     write_jsonl,
 )
-from .logging import AsyncLogger, SyncLogger, TensorBoardSink
-from .signals import signals_deferred, signum_of, stop_signals
-from .stages import Pipeline, StageSkipped, get_stage
+from ..logging import AsyncLogger, SyncLogger, TensorBoardSink
+from ..signals import signals_deferred, signum_of, stop_signals
+from ..stages import Pipeline, StageSkipped, get_stage
+from . import checkpoint
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"

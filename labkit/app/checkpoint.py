@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .capture import tree_map
-from .files import atomic_write
+from ..capture import tree_map
+from ..files import atomic_write
 
 FORMAT = 3
 FILENAME = "checkpoint.pt"

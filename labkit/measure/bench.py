@@ -22,14 +22,14 @@ from collections.abc import Callable
 
 import torch
 
-from .capture import warmup
-from .config import BenchConfig, check_memory
-from .device import run_metadata, synchronize
-from .policy import flops_per_sample
-from .signals import signum_of
-from .stages import STAGES, Pipeline, Stage, get_stage
+from ..capture import warmup
+from ..config import BenchConfig, check_memory
+from ..device import run_metadata, synchronize
+from ..policy import flops_per_sample
+from ..signals import signum_of
+from ..stages import STAGES, Pipeline, Stage, get_stage
+from ..timing import PHASES, lap_cost_s, time_calls
 from .syncmeter import SyncMeter
-from .timing import PHASES, lap_cost_s, time_calls
 
 PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,7 +60,7 @@ def _peak_memory(device: torch.device) -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10, "process max RSS"
 
 
-def _timed_iteration(pipe: Pipeline, marked: bool) -> tuple[float, dict[str, float], dict]:
+def timed_iteration(pipe: Pipeline, marked: bool) -> tuple[float, dict[str, float], dict]:
     """Seconds of one iteration (synchronized at both ends), its phases if ``marked``, and
     what the iteration returned."""
     synchronize(pipe.device)
@@ -123,7 +123,7 @@ def measure_stage(stage: Stage, cfg: BenchConfig, device: torch.device,
         start = time.perf_counter()
         while len(plain) < cfg.iterations and (len(plain) < 2 or time.perf_counter() < budget_end):
             for is_marked in (False, True):
-                seconds, ms, out = _timed_iteration(pipe, is_marked)
+                seconds, ms, out = timed_iteration(pipe, is_marked)
                 (marked if is_marked else plain).append(seconds)
                 if is_marked:
                     phases.append(ms)

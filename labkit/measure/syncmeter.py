@@ -18,7 +18,9 @@ outside torch, as ``file:line (function)``, and, when the read itself happened i
 from __future__ import annotations
 
 import functools
+import linecache
 import os
+import re
 import sys
 import threading
 import warnings
@@ -35,13 +37,32 @@ _originals: dict[str, object] = {}
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
-def _short(path: str) -> str:
+#: The folder that holds the labkit package (the repository, in a checkout).
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_SITE = re.compile(r"(?P<file>.*):(?P<line>\d+) \((?P<func>.*?)\)(?: via (?P<via>.+))?")
+
+
+def short_path(path: str) -> str:
     """``labkit/rollout.py`` or ``torch/optim/adam.py`` rather than a full path."""
     for marker in (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}"):
         if marker in path:
             return path.split(marker, 1)[1]
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    here = _ROOT + os.sep
     return path[len(here):] if path.startswith(here) else path
+
+
+def parse_site(site: str) -> tuple[str, int, str, str | None] | None:
+    """``(file, line, function, via)`` of a sync meter's call site ``file:line (function)``
+    with an optional ``via torch_file:line``; None for anything else (``<unknown>``)."""
+    m = _SITE.fullmatch(site)
+    return (m["file"], int(m["line"]), m["func"], m["via"]) if m else None
+
+
+def source_line(path: str, line: int) -> str:
+    """The text of line ``line`` of ``path`` as a call site names it (absolute, relative to the
+    repository, or to a ``sys.path`` entry: ``torch/optim/adam.py``), stripped; "" if unknown."""
+    full = os.path.join(_ROOT, path)  # an absolute path (a notebook cell's too) stays as it is
+    return (linecache.getline(full, line) or linecache.getline(path, line)).strip()
 
 
 #: torch's frames that only pass a call on (dynamo's disable wrapper around a dispatch mode):
@@ -69,9 +90,9 @@ def call_site(skip: int = 0, internal: tuple[str, ...] = ()) -> str:
         frame = frame.f_back
     if frame is None:
         return "<unknown>"
-    site = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+    site = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
     if inner is not None:
-        site += f" via {_short(inner.f_code.co_filename)}:{inner.f_lineno}"
+        site += f" via {short_path(inner.f_code.co_filename)}:{inner.f_lineno}"
     return site
 
 
@@ -139,7 +160,7 @@ def _uninstall() -> None:
 class SyncMeter:
     """Context manager counting host reads in the current thread. ``cpu_as_device``: count
     ``.to("cpu")`` of a CPU tensor too (the device named "cpu"), as if every tensor lived on a
-    device (the CUDA-graph rehearsal on the CPU, ``labkit.rehearsal``).
+    device (the CUDA-graph rehearsal on the CPU, ``labkit.doctor.rehearsal``).
 
     >>> with SyncMeter() as m:
     ...     torch.ones(2).sum().item()

@@ -5,17 +5,14 @@ from __future__ import annotations
 import difflib
 import html
 import inspect
-import linecache
-import os
 import re
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from .stages import Stage
+from ..measure.syncmeter import parse_site, source_line
+from ..stages import Stage
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SITE = re.compile(r"(?P<file>.*):(?P<line>\d+) \((?P<func>.*?)\)(?: via (?P<via>.+))?")
 _CELL = re.compile(r"ipykernel_\d+[/\\]\d+\.py$|<ipython-input-")
 
 
@@ -86,20 +83,6 @@ def reads_table(sites: Counter | dict, per: int = 1, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def parse_site(site: str) -> tuple[str, int, str, str | None] | None:
-    """``(file, line, function, via)`` of a sync meter's call site ``file:line (function)``
-    with an optional ``via torch_file:line``; None for anything else (``<unknown>``)."""
-    m = _SITE.fullmatch(site)
-    return (m["file"], int(m["line"]), m["func"], m["via"]) if m else None
-
-
-def source_line(path: str, line: int) -> str:
-    """The text of line ``line`` of ``path`` as a call site names it (absolute, relative to the
-    repository, or to a ``sys.path`` entry: ``torch/optim/adam.py``), stripped; "" if unknown."""
-    full = os.path.join(_ROOT, path)  # an absolute path (a notebook cell's too) stays as it is
-    return (linecache.getline(full, line) or linecache.getline(path, line)).strip()
-
-
 def _file(path: str) -> str:
     """A call site's file, with a notebook cell's (``/tmp/ipykernel_123/456.py``) as ``<cell>``."""
     return "<cell>" if _CELL.search(path) else path
@@ -124,10 +107,10 @@ def _rekey(sites: Counter | dict, key: Callable[[str, int, str], str]) -> Counte
 
 
 def rows_table(rows: list[dict]) -> str:
-    """Rows of ``labkit.bench.measure_stage`` one per line: env steps/s as min / median / max
-    over the timed iterations, the share of the compute ceiling, host reads per rollout step
+    """Rows of ``labkit.measure.bench.measure_stage`` one per line: env steps/s as min / median /
+    max over the timed iterations, the share of the compute ceiling, host reads per rollout step
     and per update, then milliseconds per iteration in each phase."""
-    from .timing import PHASES
+    from ..timing import PHASES
 
     ok = [r for r in rows if r.get("status") == "ok"]
     keys = [k for k in PHASES if any(k in r["phase_ms"] for r in ok)]

@@ -125,7 +125,7 @@ def save_figures(result: dict, out_dir: str | Path, stem: str) -> list[Path]:
 
 def phase_bars(rows: list[dict], ax=None, title: str | None = None):
     """Stacked bars: milliseconds per iteration in each phase, one bar per measured row."""
-    from .timing import PHASES
+    from ..timing import PHASES
 
     plt = _plt()
     rows = [r for r in rows if r.get("status") == "ok" and r.get("phase_ms")]

@@ -24,12 +24,21 @@ def _int_at_least(low: int):
     return parse
 
 
+def _default(cls: type, name: str) -> object:
+    """The default of dataclass ``cls``'s field ``name``: a flag's help shows the config's
+    own value, never a copy of it."""
+    import dataclasses
+
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
 def _stage_list(text: str) -> list:
-    from .stages import STAGE_NAMES, get_stage
+    from ..stages import STAGE_NAMES, get_stage
     parts = [part.strip() for part in text.split(",")]
     if not any(parts):
         raise argparse.ArgumentTypeError(
@@ -41,7 +50,7 @@ def _stage_list(text: str) -> list:
 
 
 def _stage(text: str) -> str:
-    from .stages import get_stage
+    from ..stages import get_stage
     try:
         return get_stage(text).name
     except ValueError as err:
@@ -49,9 +58,9 @@ def _stage(text: str) -> str:
 
 
 def cmd_bench_env(args: argparse.Namespace) -> int:
-    from .device import resolve_device
-    from .envs.bench import bench_envs, format_table
-    from .files import check_output_dir, write_json
+    from ..device import resolve_device
+    from ..files import check_output_dir, write_json
+    from ..measure.envbench import bench_envs, format_table
 
     device = resolve_device(args.device)
     out = check_output_dir(args.out) / f"bench_env_{device.type}.json"
@@ -64,7 +73,7 @@ def cmd_bench_env(args: argparse.Namespace) -> int:
 
 
 def _check_not_a_folder(path: Path) -> None:
-    from .files import OutputError
+    from ..files import OutputError
     if path.is_dir():
         raise OutputError(f"--out: {path} is a folder; it must be a file name free to write")
 
@@ -72,12 +81,18 @@ def _check_not_a_folder(path: Path) -> None:
 def cmd_ladder(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from .bench import format_ladder, format_phases, format_scaling, ladder_plan, run_ladder
-    from .config import BenchConfig
-    from .device import resolve_device
-    from .files import check_output_dir, write_json
-    from .plots import save_figures
-    from .signals import stop_signals
+    from ..book.plots import save_figures
+    from ..config import BenchConfig
+    from ..device import resolve_device
+    from ..files import check_output_dir, write_json
+    from ..measure.bench import (
+        format_ladder,
+        format_phases,
+        format_scaling,
+        ladder_plan,
+        run_ladder,
+    )
+    from ..signals import stop_signals
 
     device = resolve_device(args.device)
     profile = args.profile or ("full" if device.type == "cuda" else "quick")
@@ -126,9 +141,9 @@ TRAIN_OPTIONS = ("stage", "device", "n_envs", "n_steps", "total_steps", "seed", 
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .distributed import current
-    from .files import check_output_dir, unique_folder
-    from .logging import TensorBoardSink
+    from ..distributed import current
+    from ..files import check_output_dir, unique_folder
+    from ..logging import TensorBoardSink
     from .train import TrainConfig, TrainingFailed, TrainingInterrupted, check_runnable, train
 
     group = current()  # under torchrun: this process's rank (every rank runs this command)
@@ -200,8 +215,8 @@ def _num(value: float | None, spec: str) -> str:
 def cmd_plot_runs(args: argparse.Namespace) -> int:
     import matplotlib.pyplot as plt
 
-    from .files import check_output_dir
-    from .plots import learning_curves, run_curve
+    from ..book.plots import learning_curves, run_curve
+    from ..files import check_output_dir
 
     for d in args.runs:
         if not (Path(d) / "metrics.jsonl").is_file():
@@ -220,10 +235,10 @@ def cmd_plot_runs(args: argparse.Namespace) -> int:
 def cmd_record(args: argparse.Namespace) -> int:
     import signal
 
-    from .device import resolve_device
-    from .files import check_output_dir
+    from ..device import resolve_device
+    from ..files import check_output_dir
+    from ..signals import signum_of, stop_signals
     from .record import check_run_id, format_plan, plan, record, select
-    from .signals import signum_of, stop_signals
 
     device = resolve_device(args.device)
     profile = args.profile or ("full" if device.type == "cuda" else "quick")
@@ -250,12 +265,12 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .capture import warmup
-    from .config import RunConfig
-    from .device import resolve_device
-    from .files import check_output_dir
-    from .profiling import top_ops, trace_pipeline
-    from .stages import Pipeline, get_stage
+    from ..capture import warmup
+    from ..config import RunConfig
+    from ..device import resolve_device
+    from ..files import check_output_dir
+    from ..measure.profiling import top_ops, trace_pipeline
+    from ..stages import Pipeline, get_stage
 
     device = resolve_device(args.device)
     cfg = RunConfig(n_envs=args.n_envs, n_steps=args.n_steps)
@@ -283,10 +298,26 @@ def torch_cpu():
     return torch.device("cpu")
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """``diagnose`` a stage: 0 without findings, 1 with findings."""
+    import json
+
+    from ..config import RunConfig
+    from ..doctor import DOCTOR_RUN, diagnose
+    from ..doctor.plants import plant
+
+    stage = plant(args.stage, args.plant) if args.plant else args.stage
+    sizes = {k: v for k, v in (("n_envs", args.n_envs), ("n_steps", args.n_steps)) if v}
+    report = diagnose(stage, iterations=args.iterations, cfg=RunConfig(**{**DOCTOR_RUN, **sizes}),
+                      device=args.device)
+    print(json.dumps(report.to_dict()) if args.json else report.format())
+    return 1 if report.findings else 0
+
+
 def cmd_rehearse(args: argparse.Namespace) -> int:
-    from .config import RunConfig
-    from .plants import plant
-    from .rehearsal import rehearse_stage
+    from ..config import RunConfig
+    from ..doctor.plants import plant
+    from ..doctor.rehearsal import rehearse_stage
 
     if args.device != "cpu":
         raise ValueError(f"--device must be cpu, got {args.device!r}: a rehearsal stands in "
@@ -344,20 +375,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results", help="folder for JSON and PNG")
     p.set_defaults(func=cmd_ladder)
 
+    from ..config import RunConfig
+    from .train import TrainConfig
+
+    def run(name: str) -> str:
+        return f"(default: {_default(RunConfig, name)})"
+
+    def train(name: str) -> str:
+        return f"(default: {_default(TrainConfig, name)})"
+
+    # Flags left unset take the config's defaults, or the resumed run's values.
     p = sub.add_parser("train", help="train PPO on Forage with one stage's pipeline")
     p.add_argument("--stage", type=_stage, default=None,
-                   help="stage whose pipeline trains, 0-8 or a name (default: fused_amp)")
-    p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: auto)")
-    p.add_argument("--n-envs", type=_positive_int, default=None, help="N (default: 64)")
+                   help=f"stage whose pipeline trains, 0-8 or a name {train('stage')}")
+    p.add_argument("--device", default=None,
+                   help=f"auto | cpu | cuda | cuda:N {train('device')}")
+    p.add_argument("--n-envs", type=_positive_int, default=None, help=f"N {run('n_envs')}")
     p.add_argument("--n-steps", type=_positive_int, default=None,
-                   help="rollout length T (default: 32)")
+                   help=f"rollout length T {run('n_steps')}")
     p.add_argument("--total-steps", type=_positive_int, default=None,
-                   help="env steps of the run (default: 500000)")
-    p.add_argument("--seed", type=_non_negative_int, default=None, help="default: 1")
+                   help=f"env steps of the run {train('total_steps')}")
+    p.add_argument("--seed", type=_non_negative_int, default=None, help=run("seed"))
     p.add_argument("--value-head", choices=("plain", "popart"), default=None,
-                   help="default: plain")
+                   help=run("value_head"))
     p.add_argument("--checkpoint-every", type=_non_negative_int, default=None,
-                   help="iterations between checkpoints, 0 = only at the end (default: 25)")
+                   help="iterations between checkpoints, 0 = only at the end "
+                        f"{train('checkpoint_every')}")
     p.add_argument("--out", default=None,
                    help="run folder (default: a new runs/train-<date>-<time>)")
     p.add_argument("--resume", default=None, metavar="DIR",
@@ -403,34 +446,52 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="a torch.profiler trace of steady-state iterations")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--stage", type=_stage, default="fused_amp", help="0-8 or a name")
-    p.add_argument("--n-envs", type=_positive_int, default=64, help="N (default: 64)")
-    p.add_argument("--n-steps", type=_positive_int, default=32, help="T (default: 32)")
+    p.add_argument("--n-envs", type=_positive_int, default=64, help="N (default: %(default)s)")
+    p.add_argument("--n-steps", type=_positive_int, default=32, help="T (default: %(default)s)")
     p.add_argument("--iterations", type=_positive_int, default=1,
-                   help="iterations traced, after one warmup (default: 1)")
+                   help="iterations traced, after one warmup (default: %(default)s)")
     p.add_argument("--top", type=_positive_int, default=15, help="rows of the top-ops table")
     p.add_argument("--out", default="runs/profile", help="folder for the trace")
     p.set_defaults(func=cmd_profile)
 
-    from .doctor import add_parser as add_doctor_parser
-    add_doctor_parser(sub)
+    from ..doctor import DOCTOR_RUN
+    from ..doctor.plants import PLANT_NAMES
+    p = sub.add_parser(
+        "doctor", help="run a few iterations under the meters and report regressions",
+        description="Run a stage for a few iterations under the sync meter, a function watch, a "
+                    "memory tracker and dynamo's counters; print what regressed and the "
+                    "chapter with the fix. Exit 0 without findings, 1 with, 2 on a usage error.")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--stage", type=_stage, default="fused_amp",
+                   help="0-8 or a name (default: %(default)s)")
+    p.add_argument("--plant", default=None,
+                   help=f"plant a regression: {', '.join(PLANT_NAMES)}")
+    p.add_argument("--n-envs", type=_positive_int, default=None,
+                   help=f"N (default: {DOCTOR_RUN['n_envs']})")
+    p.add_argument("--n-steps", type=_positive_int, default=None,
+                   help=f"T (default: {DOCTOR_RUN['n_steps']})")
+    p.add_argument("--iterations", type=_int_at_least(2), default=2,
+                   help="timed iterations, >= 2 (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help='print {"findings": [...], ...}')
+    p.set_defaults(func=cmd_doctor)
 
-    from .plants import PLANT_NAMES
     p = sub.add_parser(
         "rehearse", help="rehearse a stage's CUDA graph captures on the CPU",
-        description="Capture and replay a stage's CUDA graphs on the CPU (labkit.rehearsal): "
-                    "report what a real capture would refuse (host reads, data-dependent ops, "
-                    "unregistered generators) and whether the replays compute what the stage "
-                    "without graphs computes, bit for bit. No speed is measured. Exit 0 when "
-                    "capturable and equal, 1 otherwise, 2 on a usage error.")
+        description="Capture and replay a stage's CUDA graphs on the CPU "
+                    "(labkit.doctor.rehearsal): report what a real capture would refuse "
+                    "(host reads, data-dependent ops, unregistered generators, host tensors) "
+                    "and whether the replays compute what the stage without graphs computes, "
+                    "bit for bit. No speed is measured. Exit 0 when capturable and equal, 1 "
+                    "otherwise, 2 on a usage error.")
     p.add_argument("--stage", type=_stage, default="cuda_graphs",
-                   help="a stage with CUDA graphs (default: cuda_graphs)")
+                   help="a stage with CUDA graphs (default: %(default)s)")
     p.add_argument("--plant", default=None,
                    help=f"plant a regression first: {', '.join(PLANT_NAMES)}")
     p.add_argument("--device", default="cpu", help="cpu (the rehearsal's only device)")
-    p.add_argument("--n-envs", type=_positive_int, default=16, help="N (default: 16)")
-    p.add_argument("--n-steps", type=_positive_int, default=16, help="T (default: 16)")
+    p.add_argument("--n-envs", type=_positive_int, default=16, help="N (default: %(default)s)")
+    p.add_argument("--n-steps", type=_positive_int, default=16, help="T (default: %(default)s)")
     p.add_argument("--iterations", type=_positive_int, default=2,
-                   help="iterations rehearsed (default: 2)")
+                   help="iterations rehearsed (default: %(default)s)")
     p.set_defaults(func=cmd_rehearse)
 
     p = sub.add_parser("plot-runs", help="learning curves of train runs (steps and wall time)")
@@ -442,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .files import describe_os_error
+    from ..files import describe_os_error
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .device import synchronize
-from .files import atomic_write
+from ..device import synchronize
+from ..files import atomic_write
 
 #: ``acc_events`` may be missing from the oldest torch labkit supports.
 _KEEP_CYCLES = {"acc_events": True} \

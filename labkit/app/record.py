@@ -48,10 +48,10 @@ from typing import Any
 
 import torch
 
-from .device import git_commit, run_metadata
-from .files import atomic_write, write_json
+from ..device import git_commit, run_metadata
+from ..files import atomic_write, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: Groups of parts, in the order a record runs them; ``all`` names every part.
 GROUPS = ("ladder", "scaling", "bench_env", "learning", "notebooks", "report")
 #: Code whose changes make recorded results stale: a record refuses to mix them in.
@@ -126,8 +126,8 @@ def plan(profile: str, notebooks: str = "[0-9]*.ipynb", stages: list | None = No
          ) -> list[Part]:
     """Every part of a record at ``profile``, in the order it runs (``stages`` limits the
     ladder, the sweep and the learning runs)."""
-    from .config import BenchConfig
-    from .stages import STAGES, get_stage
+    from ..config import BenchConfig
+    from ..stages import STAGES, get_stage
 
     cfg = BenchConfig.from_profile(profile)
     chosen = [get_stage(s) for s in stages] if stages else list(STAGES)
@@ -335,7 +335,7 @@ class LadderFile:
             self.write()
 
     def write(self) -> Path:
-        from .bench import add_ratios, headline
+        from ..measure.bench import add_ratios, headline
 
         self.data["meta"] = self.meta
         add_ratios(self.data["ladder"])
@@ -373,10 +373,10 @@ class _Session:
         """The ladder and scaling ``parts``, one ``run_ladder`` call each with one calibration,
         every row merged into the ladder file as it is measured; the figures after each part
         (and after an interruption, which is raised again once the finished rows are kept)."""
-        from .bench import calibrate, run_ladder
-        from .config import BenchConfig
-        from .signals import Stop, signum_of
-        from .stages import STAGES
+        from ..config import BenchConfig
+        from ..measure.bench import calibrate, run_ladder
+        from ..signals import Stop, signum_of
+        from ..stages import STAGES
 
         cfg = BenchConfig.from_profile(self.profile)
         stem = f"ladder_{self.device.type}_{self.profile}"
@@ -407,8 +407,8 @@ class _Session:
             on_part(part, time.perf_counter() - start, written)
 
     def _figures(self, book: LadderFile, stem: str, reraise: bool = True) -> list[Path]:
-        from .plots import save_figures
-        from .signals import signals_deferred
+        from ..book.plots import save_figures
+        from ..signals import signals_deferred
 
         if not book.rows:
             return []
@@ -416,7 +416,7 @@ class _Session:
             return save_figures(book.data, self.out, stem)
 
     def bench_env(self) -> list[Path]:
-        from .envs.bench import bench_envs
+        from ..measure.envbench import bench_envs
 
         repeats = {"tiny": 1, "quick": 5, "full": 5}[self.profile]
         sizes = {"ForagePy": 4, "ForageNumpy": 64, "ForageTorchLoop": 4,
@@ -431,8 +431,8 @@ class _Session:
         all: mean return against env steps and wall time; the file is written after each."""
         import tempfile
 
-        from .envs.policies import mean_return
-        from .stages import get_stage
+        from ..envs.policies import mean_return
+        from ..stages import get_stage
         from .train import TrainConfig, train
 
         budget = LEARNING[self.profile]
@@ -464,7 +464,7 @@ class _Session:
     def _learning_figure(self, result: dict) -> Path:
         import matplotlib.pyplot as plt
 
-        from .plots import learning_curves
+        from ..book.plots import learning_curves
 
         budget = result["budget"]
         axes = learning_curves({k: v["curve"] for k, v in result["stages"].items()
@@ -624,7 +624,7 @@ def ladder_table(result: dict) -> str:
 
 
 def phase_table(result: dict) -> str:
-    from .timing import PHASES
+    from ..timing import PHASES
 
     rows = [r for r in result["ladder"] if r.get("status") == "ok"]
     keys = [k for k in PHASES if any(k in r["phase_ms"] for r in rows)]
