@@ -20,8 +20,10 @@ bit-identical rollout, same parameters after an update). Run it:
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -49,24 +51,42 @@ class Args:
     """Replay the rollout step and the minibatch update as CUDA graphs (bf16 CUDA GPUs only)."""
     # the env (Forage)
     height: int = 11
+    """Grid rows, the wall border included."""
     width: int = 11
+    """Grid columns, the wall border included."""
     n_walls: int = 4
+    """Interior walls placed at each reset."""
     n_food: int = 4
+    """Food items (+1 when eaten; each respawns on a free cell)."""
     n_poison: int = 3
+    """Poison items (-1 when eaten; each respawns on a free cell)."""
     view: int = 7
+    """Side of the egocentric observation window (odd)."""
     episode_length: int = 128
+    """Steps before an episode is truncated (and reset in the same step)."""
     # PPO (CleanRL's defaults)
     lr: float = 2.5e-4
+    """Adam learning rate at the start."""
     anneal_lr: bool = True
+    """Anneal the LR linearly to 0 over the run."""
     gamma: float = 0.99
+    """Discount factor."""
     gae_lambda: float = 0.95
+    """GAE's lambda."""
     update_epochs: int = 4
+    """Passes over each rollout."""
     n_minibatches: int = 4
+    """Minibatches per pass (must divide n_envs * n_steps)."""
     clip_coef: float = 0.2
+    """PPO's ratio clip (also clips the value loss)."""
     vf_coef: float = 0.5
+    """Weight of the value loss."""
     ent_coef: float = 0.01
+    """Weight of the entropy bonus."""
     max_grad_norm: float = 0.5
+    """Global gradient norm clip."""
     adam_eps: float = 1e-5
+    """Adam's epsilon."""
 
     def __post_init__(self) -> None:
         if min(self.n_envs, self.n_steps, self.n_minibatches, self.total_steps) < 1:
@@ -85,6 +105,16 @@ class Args:
 
 
 # ---------------------------------------------------------------------------- the env
+# REPLACE THIS SECTION WITH YOUR ENV. The rest of the file needs only this of it:
+#   Forage(args, device)        args.n_envs envs on `device`, already reset
+#   .n_actions, .obs_shape      the number of discrete actions, an observation's (C, H, W)
+#   .observation()              the (N, C, H, W) observations
+#   .step(actions)              (N,) int64 actions -> (obs, reward, done, episode_return,
+#                               episode_length), (N, ...) device tensors; an env whose episode
+#                               ends resets in the same step; the last two are 0 where not done
+#   .state()                    every tensor step changes, each updated in place
+# For CUDA graphs, step must keep its shapes and never read the host (no .item(), no Python
+# branch on a tensor's value), and draw any randomness from tensors it owns.
 
 EMPTY, WALL, FOOD, POISON = 0, 1, 2, 3
 ACTION_DELTAS = ((0, 0), (-1, 0), (1, 0), (0, -1), (0, 1))  # stay, up, down, left, right
@@ -128,6 +158,7 @@ class Forage:
         kinds = torch.tensor([WALL] * args.n_walls + [AGENT] + [FOOD] * args.n_food
                              + [POISON] * args.n_poison, dtype=torch.int8)
         self.args, self.device, self.n_envs = args, device, n
+        self.n_actions, self.obs_shape = len(ACTION_DELTAS), (3, v, v)  # wall/food/poison
         self.base = base.flatten().to(device)
         self.cells = ((r + pad) * cols + c + pad).flatten().to(device)
         self.window = ((i - pad) * cols + j - pad).flatten().to(device)
@@ -222,15 +253,16 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -
 
 
 class Agent(nn.Module):
-    def __init__(self, view: int = 7) -> None:
+    def __init__(self, obs_shape: tuple[int, int, int], n_actions: int) -> None:
         super().__init__()
+        channels, height, width = obs_shape
         self.body = nn.Sequential(
-            layer_init(nn.Conv2d(3, 16, 3)), nn.ReLU(),
+            layer_init(nn.Conv2d(channels, 16, 3)), nn.ReLU(),
             layer_init(nn.Conv2d(16, 32, 3)), nn.ReLU(),
             nn.Flatten(),
-            layer_init(nn.Linear(32 * (view - 4) ** 2, 128)), nn.ReLU(),
+            layer_init(nn.Linear(32 * (height - 4) * (width - 4), 128)), nn.ReLU(),
         )
-        self.actor = layer_init(nn.Linear(128, 5), std=0.01)
+        self.actor = layer_init(nn.Linear(128, n_actions), std=0.01)
         self.critic = layer_init(nn.Linear(128, 1), std=1.0)
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,6 +348,9 @@ def minibatch_step(*mb: torch.Tensor, loss_fn, optimizer, params, max_grad_norm,
 
 
 # ---------------------------------------------------------------------------- CUDA graphs
+# The one-line alternative: torch.compile(fn, mode="reduce-overhead") replays compiled code as
+# CUDA graphs, torch managing the static buffers. This class captures the whole step (env,
+# sampling and storage writes included), which is what removes the remaining launches.
 
 
 class CudaGraphStep:
@@ -366,8 +401,6 @@ class Runner:
     done: torch.Tensor
     t: torch.Tensor
     episodes: torch.Tensor
-    step: object = None
-    train_step: object = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -376,40 +409,54 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def has_bf16(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def uses_graphs(args: Args, device: torch.device) -> bool:
+    return args.cuda_graphs and has_bf16(device)  # the graphed update is built for bf16
+
+
 def make_runner(args: Args) -> Runner:
     device = resolve_device(args.device)
+    env = Forage(args, device)
     with torch.random.fork_rng(devices=[]):  # the init, without touching the global RNG
         torch.manual_seed(args.seed)
-        agent = Agent(args.view).to(device)
-    bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
-    graphs = args.cuda_graphs and bf16  # captured steps need a capturable Adam; others not
+        agent = Agent(env.obs_shape, env.n_actions).to(device)
     lr = torch.tensor(args.lr, dtype=torch.float32, device=device)  # updated in place
     optimizer = torch.optim.Adam(agent.parameters(), lr=lr, eps=args.adam_eps, fused=True,
-                                 capturable=graphs)
-    env = Forage(args, device)
-    T, N, V = args.n_steps, args.n_envs, args.view
-    storage = {"obs": torch.zeros(T, N, 3, V, V, device=device),
+                                 capturable=uses_graphs(args, device))  # only captured steps
+    T, N = args.n_steps, args.n_envs
+    storage = {"obs": torch.zeros(T, N, *env.obs_shape, device=device),
                "actions": torch.zeros(T, N, dtype=torch.int64, device=device),
                **{k: torch.zeros(T, N, device=device)
                   for k in ("logprobs", "values", "rewards", "dones")}}
-    runner = Runner(args, device, env, agent, optimizer,
-                    torch.Generator(device).manual_seed(args.seed), storage,
-                    obs=env.observation(), done=torch.zeros(N, device=device),
-                    t=torch.zeros(1, dtype=torch.int64, device=device),
-                    episodes=torch.zeros(3, dtype=torch.float64, device=device))
+    return Runner(args, device, env, agent, optimizer,
+                  torch.Generator(device).manual_seed(args.seed), storage,
+                  obs=env.observation(), done=torch.zeros(N, device=device),
+                  t=torch.zeros(1, dtype=torch.int64, device=device),
+                  episodes=torch.zeros(3, dtype=torch.float64, device=device))
+
+
+def make_steps(r: Runner):
+    """The rollout step and the minibatch step as they run on ``r.device``: compiled, bf16
+    autocast where the GPU has it, replayed as CUDA graphs there; and a line saying which."""
+    a, bf16, graphs = r.args, has_bf16(r.device), uses_graphs(r.args, r.device)
     autocast = (partial(torch.autocast, "cuda", dtype=torch.bfloat16, cache_enabled=False)
                 if bf16 else contextlib.nullcontext)  # no bf16 GPU: fp32 (chapter 08: fp16)
-    policy = torch.compile(agent, fullgraph=True) if args.compile else agent
-    loss_fn = partial(ppo_loss, agent, args=args)
-    loss_fn = torch.compile(loss_fn, fullgraph=True) if args.compile else loss_fn
-    runner.step = partial(rollout_step, runner, policy)
-    runner.train_step = partial(minibatch_step, loss_fn=loss_fn, optimizer=optimizer,
-                                params=list(agent.parameters()),
-                                max_grad_norm=args.max_grad_norm, autocast=autocast)
+    policy = torch.compile(r.agent, fullgraph=True) if a.compile else r.agent
+    loss_fn = partial(ppo_loss, r.agent, args=a)
+    loss_fn = torch.compile(loss_fn, fullgraph=True) if a.compile else loss_fn
+    step = partial(rollout_step, r, policy)
+    train_step = partial(minibatch_step, loss_fn=loss_fn, optimizer=r.optimizer,
+                         params=list(r.agent.parameters()), max_grad_norm=a.max_grad_norm,
+                         autocast=autocast)
     if graphs:
-        runner.step = CudaGraphStep(runner.step, runner)
-        runner.train_step = CudaGraphStep(runner.train_step, runner)
-    return runner
+        step, train_step = CudaGraphStep(step, r), CudaGraphStep(train_step, r)
+    why = "" if graphs or not a.cuda_graphs else " (they need a bf16 CUDA GPU)"
+    on = (f"compile {'on' if a.compile else 'off'}, CUDA graphs {'on' if graphs else 'off'}"
+          f"{why}, precision {'bf16' if bf16 else 'fp32'}")
+    return step, train_step, on
 
 
 def state_tensors(r: Runner) -> list[torch.Tensor]:
@@ -460,11 +507,11 @@ def rollout_step(r: Runner, policy: nn.Module) -> None:
                                  episode_length.to(torch.float64).sum())))
 
 
-def collect(r: Runner) -> dict[str, torch.Tensor]:
+def collect(r: Runner, step) -> dict[str, torch.Tensor]:
     """T steps with the policy; returns the (T, N, ...) storage."""
     with torch.no_grad():
         for _ in range(r.args.n_steps):
-            r.step()
+            step()
     return r.storage
 
 
@@ -480,7 +527,8 @@ def compute_batch(r: Runner) -> list[torch.Tensor]:
                                        s["values"])]
 
 
-def update(r: Runner, batch: list[torch.Tensor], iteration: int) -> dict[str, torch.Tensor]:
+def update(r: Runner, train_step, batch: list[torch.Tensor], iteration: int
+           ) -> dict[str, torch.Tensor]:
     """Anneal the LR (in place), then epochs x minibatches of optimizer steps on shuffles
     drawn on the device."""
     a = r.args
@@ -494,18 +542,19 @@ def update(r: Runner, batch: list[torch.Tensor], iteration: int) -> dict[str, to
         perm = torch.randperm(n, device=r.device, generator=r.generator)
         for start in range(0, n, mb):
             idx = perm[start:start + mb]
-            history.append(r.train_step(*(x[idx] for x in batch)))
+            history.append(train_step(*(x[idx] for x in batch)))
     return {k: torch.stack([h[k] for h in history]).mean() for k in history[0]}
 
 
 def main(args: Args) -> None:
     r = make_runner(args)
+    step, train_step, on = make_steps(r)
     print(f"{args.n_iterations} iterations of {args.n_envs} envs x {args.n_steps} steps on "
-          f"{r.device} (the first one compiles and captures)")
+          f"{r.device}: {on} (the first iteration compiles and captures)")
     for iteration in range(args.n_iterations):
         start = time.perf_counter()
-        collect(r)
-        stats = update(r, compute_batch(r), iteration)
+        collect(r, step)
+        stats = update(r, train_step, compute_batch(r), iteration)
         # The loop's one host read per iteration (it also waits for the GPU: the clock is
         # honest): episode sums and update statistics together.
         values = torch.cat([r.episodes, torch.stack(list(stats.values())).double()]).tolist()
@@ -518,14 +567,25 @@ def main(args: Args) -> None:
               + "  ".join(f"{k} {v:.3f}" for k, v in zip(stats, stat_values)))
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass ``cls`` (its --help)."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    return {a.target.id: b.value.value for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant)}
+
+
 def parse_args(argv: list[str] | None = None) -> Args:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    docs = field_docs(Args)
     for f in dataclasses.fields(Args):
-        flag = "--" + f.name.replace("_", "-")
+        flag, text = "--" + f.name.replace("_", "-"), docs[f.name]
         if f.type in (bool, "bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=text)
         else:
-            parser.add_argument(flag, type=type(f.default), default=f.default)
+            parser.add_argument(flag, type=type(f.default), default=f.default, help=text)
     return Args(**vars(parser.parse_args(argv)))
 
 

@@ -4,10 +4,13 @@ A stage has two executor slots, ``rollout`` and ``update``, and both take the sa
 An executor only wraps functions it is handed; the code that calls them never changes
 (LeanRL's ``update = torch.compile(update)``, then ``CudaGraphModule(update)``):
 
-* ``inner(fn)`` wraps the model math: the policy network in the rollout, the PPO loss (forward,
-  and through autograd its backward) in the update.
-* ``outer(step, state, phase)`` wraps the whole step: one env step with the policy and its
-  bookkeeping, or one minibatch's optimizer step.
+* ``wrap_model(fn)`` wraps the model math: the policy network in the rollout, the PPO loss
+  (forward, and through autograd its backward) in the update.
+* ``wrap_step(step, state=, generator=, after_replay=)`` wraps the whole step: one env step
+  with the policy and its bookkeeping, or one minibatch's optimizer step. It is handed what a
+  graph needs and nothing more: ``state`` to snapshot and restore around the warm-up calls (a
+  :class:`labkit.capture.Stateful`), the ``generator`` the step draws from, and a callback to
+  run after each replay.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .capture import CapturedStep, tree_map
+from .capture import CapturedStep, Stateful, tree_map
 
 
 def _tf32_choice_made() -> None:
@@ -45,10 +48,12 @@ class Eager:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-    def inner(self, fn: Any) -> Any:
+    def wrap_model(self, fn: Any) -> Any:
         return fn
 
-    def outer(self, step: Callable, state: Any, phase: str | None = None) -> Callable:
+    def wrap_step(self, step: Callable, *, state: Stateful,
+                  generator: torch.Generator | None = None,
+                  after_replay: Callable[[], object] | None = None) -> Callable:
         return step
 
 
@@ -63,7 +68,7 @@ class Compiled(Eager):
     def __repr__(self) -> str:
         return f"Compiled(mode={self.mode!r})" if self.mode else "Compiled()"
 
-    def inner(self, fn: Any) -> Any:
+    def wrap_model(self, fn: Any) -> Any:
         _tf32_choice_made()
         compiled = torch.compile(fn, fullgraph=True, mode=self.mode)
         if self.mode != "reduce-overhead":
@@ -92,9 +97,10 @@ class Graphed:
         extra = [n for n in self.requires if n != "cuda"]
         return f"Graphed({self.base!r}" + (f", needs {'+'.join(extra)})" if extra else ")")
 
-    def inner(self, fn: Any) -> Any:
-        return self.base.inner(fn)
+    def wrap_model(self, fn: Any) -> Any:
+        return self.base.wrap_model(fn)
 
-    def outer(self, step: Callable, state: Any, phase: str | None = None) -> Callable:
-        lap = (lambda: state.clock.lap(phase)) if phase else None
-        return CapturedStep(step, state, generator=state.generator, after_replay=lap)
+    def wrap_step(self, step: Callable, *, state: Stateful,
+                  generator: torch.Generator | None = None,
+                  after_replay: Callable[[], object] | None = None) -> Callable:
+        return CapturedStep(step, state, generator=generator, after_replay=after_replay)

@@ -46,10 +46,10 @@ class EagerEpisodeStats:
         r = self.returns
         stats = _summarize(len(r), sum(r), sum(x * x for x in r), sum(self.lengths),
                            min(r, default=math.nan), max(r, default=math.nan))
-        self.reset()
+        self.clear()
         return stats
 
-    def reset(self) -> None:
+    def clear(self) -> None:
         self.returns, self.lengths = [], []
 
     def state_dict(self) -> dict:
@@ -99,10 +99,10 @@ class DeviceEpisodeStats:
     def summary(self) -> dict[str, float]:
         stacked = torch.cat((self._sums, self._min.view(1), self._max.view(1)))
         values = stacked.tolist()  # the single deliberate host sync per update
-        self.reset()
+        self.clear()
         return _summarize(*values)
 
-    def reset(self) -> None:
+    def clear(self) -> None:
         self._sums.zero_()
         self._min.fill_(math.inf)
         self._max.fill_(-math.inf)

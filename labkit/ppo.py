@@ -7,9 +7,8 @@ replayed as CUDA graphs, and metered with :class:`labkit.measure.syncmeter.SyncM
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from functools import partial
 
 import torch
 from torch import nn
@@ -217,28 +216,20 @@ def minibatch_step(mb: Batch, *, loss_fn: LossFn, optimizer: torch.optim.Optimiz
     return stats
 
 
-def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch | Mapping,
-               cfg: PPOConfig, generator: torch.Generator | None = None,
-               step: Callable[[Batch], dict[str, torch.Tensor]] | None = None,
-               clip_grad: Callable[[Iterable[torch.Tensor], float], torch.Tensor]
-               = fused_clip_grad_norm_) -> dict[str, torch.Tensor]:
+def ppo_update(agent: nn.Module, batch: Batch, cfg: PPOConfig, *,
+               step: Callable[[Batch], dict[str, torch.Tensor]],
+               generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """``cfg.update_epochs`` epochs x ``cfg.n_minibatches`` minibatches of optimizer steps.
 
     Order: first ``agent.value_head.update_stats(batch.returns)`` (PopArt moves its statistics
     and rescales its layer, preserving outputs), then the epochs; each minibatch maps returns
     and old values to training space with the updated statistics. Minibatches are shuffled with
     ``torch.randperm`` on the batch's device (``generator``, on that device, for determinism).
-    ``step`` runs one minibatch (default: eager :func:`minibatch_step` with ``clip_grad``); the
-    ladder passes the one its stage builds (compiled, mixed precision, replayed as a graph).
+    ``step`` runs one minibatch: :func:`minibatch_step` with its parts bound, the one a stage
+    builds (``labkit.update.build_update``: compiled, mixed precision, replayed as a graph).
     Returns the means over all minibatches of the loss stats and ``grad_norm`` (before
     clipping), as 0-d tensors.
     """
-    if isinstance(batch, Mapping):
-        batch = Batch(**batch)
-    if step is None:
-        step = partial(minibatch_step, loss_fn=partial(ppo_loss, agent, cfg=cfg),
-                       optimizer=optimizer, params=list(agent.parameters()),
-                       max_grad_norm=cfg.max_grad_norm, clip_grad=clip_grad)
     n = batch.obs.shape[0]
     mb = cfg.check_batch(n, 1)
     agent.value_head.update_stats(batch.returns)
@@ -250,25 +241,8 @@ def ppo_update(agent: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch 
     return {k: torch.stack([s[k] for s in history]).mean() for k in history[0]}
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float | torch.Tensor) -> None:
-    """Set the LR of every param group; a tensor LR is updated in place (no new tensor)."""
-    for group in optimizer.param_groups:
-        if isinstance(group["lr"], torch.Tensor) and isinstance(lr, torch.Tensor):
-            group["lr"].copy_(lr)
-        elif isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)  # a kernel argument, not a host-to-device copy
-        else:
-            # Deliberate host read when a device-tensor LR meets a float-LR optimizer.
-            group["lr"] = float(lr)
-
-
-def anneal_lr(optimizer: torch.optim.Optimizer, base_lr: float,
-              iteration: int | torch.Tensor, n_iterations: int) -> float | torch.Tensor:
-    """Linear annealing: ``lr = base_lr * (1 - iteration / n_iterations)`` with 0-based
-    ``iteration`` (CleanRL's schedule), 0 past the horizon, set with :func:`set_lr`; returns
-    the LR. ``iteration`` may be a device tensor (a step counter inside a CUDA graph)."""
-    frac = 1.0 - iteration / n_iterations
-    frac = frac.clamp(min=0.0) if isinstance(frac, torch.Tensor) else max(frac, 0.0)
-    lr = base_lr * frac
-    set_lr(optimizer, lr)
-    return lr
+def annealed_lr(base_lr: float, iteration: int, n_iterations: int) -> float:
+    """Linear annealing: ``base_lr * (1 - iteration / n_iterations)`` with 0-based
+    ``iteration`` (CleanRL's schedule), 0 past the horizon. The optimizer component sets it
+    (``stage.optimizer.set_lr``): a float, or in place into a device tensor."""
+    return base_lr * max(1.0 - iteration / n_iterations, 0.0)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from . import debug
+from .envs import ForageNumpy, ForagePyList, ForageTorch, ForageTorchLoop
 from .timing import PhaseClock
 
 
@@ -60,7 +61,11 @@ ActFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 class Collector:
     """Storage, the done flags that came with the current observation, the step counter, the
-    mean reward of the last step (what the pipeline logs) and the state to checkpoint."""
+    mean reward of the last step (what the pipeline logs) and the state to checkpoint.
+    ``accepts``: the env classes a collector can step (a stage pairing it with another env
+    says so in its skip reason)."""
+
+    accepts: tuple[type, ...] = ()
 
     def __init__(self, *, env, n_steps: int, act: ActFn, metrics, device: torch.device,
                  clock: PhaseClock | None = None) -> None:
@@ -111,6 +116,8 @@ class Collector:
 class PerEnvCollector(Collector):
     """Stage 0: a ``ForagePyList``; a forward and an ``.item()`` per env per step."""
 
+    accepts = (ForagePyList,)
+
     def _observe(self) -> None:
         self.host_obs = self.env.observation()
 
@@ -151,6 +158,8 @@ class PerEnvCollector(Collector):
 class HostBatchedCollector(Collector):
     """Stage 1: vectorized NumPy envs, one batched forward, transfers both ways every step."""
 
+    accepts = (ForageNumpy,)
+
     def _observe(self) -> None:
         self.host_obs = self.env.observation()
 
@@ -184,6 +193,8 @@ class DeviceCollector(Collector):
     ``step`` is capture-safe whenever its env and metrics are: fixed shapes, the observation
     and done flags updated in place, storage written at the device-side counter ``t``.
     """
+
+    accepts = (ForageTorchLoop, ForageTorch)
 
     def _observe(self) -> None:
         obs = self.env.observation()

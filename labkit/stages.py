@@ -40,7 +40,7 @@ from .executors import Compiled, Eager, Graphed
 from .logging import AsyncLogger, SyncLogger
 from .metrics import DeviceEpisodeStats, EagerEpisodeStats
 from .policy import Agent, sample_action
-from .ppo import Batch, anneal_lr, gae
+from .ppo import Batch, annealed_lr, gae
 from .precision import Fp32, amp, fp32
 from .rollout import DeviceCollector, HostBatchedCollector, PerEnvCollector, Rollout
 from .timing import PhaseClock
@@ -77,7 +77,11 @@ class Stage:
                 if f.name not in ("index", "name", "lesson")}
 
     def skip_reason(self, device: torch.device) -> str | None:
-        """Why this stage cannot run on ``device`` (None if it can), from its components."""
+        """Why this stage cannot run on ``device`` (None if it can), from its components: what
+        each one ``requires`` of the device, and whether its collector ``accepts`` its env."""
+        if not issubclass(self.env, self.collector.accepts):
+            return (f"{self.collector.__name__} cannot step {self.env.__name__} (it accepts "
+                    f"{', '.join(c.__name__ for c in self.collector.accepts)})")
         for part in self.components().values():
             for need in getattr(part, "requires", ()):
                 available, reason = REQUIREMENTS[need]
@@ -140,7 +144,7 @@ class Pipeline:
     """One stage assembled on a device: ``iteration()`` = rollout + GAE + PPO update.
 
     It owns its state: ``state_dict()`` (device-side copies of model, optimizer, env, collector,
-    metrics, sampling generator and counters), ``load_state_dict()`` (in place) and ``reset()``
+    metrics, sampling generator and counters), ``load_state_dict()`` (in place) and ``rewind()``
     (back to the state it was built with). Under torchrun, ``group`` says which rank this is:
     its envs, its sampling seed, gradients averaged over the ranks, episode statistics summed
     (see labkit.distributed). Building one touches no process-global state: the model is
@@ -179,11 +183,13 @@ class Pipeline:
         self.metrics = stage.metrics(device=device)
         env = stage.env(cfg.n_envs, cfg.spec, cfg.seed, device=device,
                         env_offset=group.env_offset(cfg.n_envs))
-        self.policy = stage.rollout.inner(self.agent)
+        self.policy = stage.rollout.wrap_model(self.agent)
         self.collector = stage.collector(
             env=env, n_steps=cfg.n_steps, metrics=self.metrics, device=device, clock=self.clock,
             act=partial(sample_action, self.policy, generator=self.generator))
-        self._step = stage.rollout.outer(self.collector.step, self, phase="graph")
+        self._step = stage.rollout.wrap_step(self.collector.step, state=self,
+                                             generator=self.generator,
+                                             after_replay=partial(self.clock.lap, "graph"))
         self.update = build_update(agent=self.agent, optimizer=self.optimizer,
                                    clip_grad=group.average_grads(stage.optimizer.clip_grad),
                                    precision=self.precision,
@@ -221,7 +227,8 @@ class Pipeline:
         Update statistics stay device tensors (the logger decides when to read them); the
         episode statistics are the metrics' one read per iteration."""
         if self.ppo.anneal_lr:
-            anneal_lr(self.optimizer, self.ppo.lr, self.iteration_index, self.cfg.lr_horizon)
+            self.stage.optimizer.set_lr(self.optimizer, annealed_lr(
+                self.ppo.lr, self.iteration_index, self.cfg.lr_horizon))
         stats = self.update(batch)
         self.clock.lap("update")
         self.iteration_index += 1
@@ -261,8 +268,9 @@ class Pipeline:
         self.global_step = int(state["global_step"])
         self.iteration_index = int(state["iteration"])
 
-    def reset(self) -> None:
-        """Back to the state this pipeline was built with."""
+    def rewind(self) -> None:
+        """Back to the state this pipeline was built with, in place (a ``reset`` is the envs':
+        new episodes)."""
         self.load_state_dict(self._initial)
 
     def close(self) -> None:

@@ -41,11 +41,22 @@ class Adam:
                  device: torch.device) -> torch.optim.Adam:
         return torch.optim.Adam(params, lr=cfg.lr, eps=cfg.adam_eps, foreach=False)
 
+    @staticmethod
+    def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+        """Set every param group's LR: a Python float, read by each step."""
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+    @staticmethod
+    def lr(optimizer: torch.optim.Optimizer) -> float | torch.Tensor:
+        """The LR as the optimizer holds it (here a float)."""
+        return optimizer.param_groups[0]["lr"]
+
 
 @dataclass(frozen=True, repr=False)
 class FusedAdam(Adam):
     """Adam with ``fused=True``: one kernel per step for all parameters, step counters on the
-    device. The LR is a 0-d device tensor that :func:`labkit.ppo.set_lr` updates in place, so
+    device. The LR is a 0-d device tensor that :meth:`set_lr` updates in place, so
     compiled code and CUDA graphs see new values without recompiling or recapturing. Gradients
     are clipped by :func:`labkit.ppo.fused_clip_grad_norm_` (no host read). ``capturable``
     (stage 8, on CUDA) makes the step legal inside a CUDA graph capture; only a captured step
@@ -66,16 +77,24 @@ class FusedAdam(Adam):
         return torch.optim.Adam(params, lr=lr, eps=cfg.adam_eps, fused=True,
                                 capturable=self.capturable and device.type == "cuda")
 
+    @staticmethod
+    def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+        """Write ``lr`` into the LR tensor, in place: compiled code and a captured graph hold
+        that tensor, and read the new value on their next call (``fill_`` takes the float as a
+        kernel argument: no host-to-device copy)."""
+        for group in optimizer.param_groups:
+            group["lr"].fill_(lr)
+
 
 def build_update(*, agent: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  clip_grad: Callable, precision: Precision, executor, cfg: PPOConfig,
                  generator: torch.Generator, state: Any) -> Callable:
     """``update(batch) -> stats``: :func:`labkit.ppo.ppo_update` with a minibatch step made of
-    ``executor.inner(loss)``, ``precision`` and ``clip_grad``, itself run through
-    ``executor.outer`` (``state`` is what a graph capture saves and restores)."""
-    loss_fn = executor.inner(partial(ppo_loss, agent, cfg=cfg))
+    ``executor.wrap_model(loss)``, ``precision`` and ``clip_grad``, itself run through
+    ``executor.wrap_step`` (``state`` is what a graph capture saves and restores)."""
+    loss_fn = executor.wrap_model(partial(ppo_loss, agent, cfg=cfg))
     step = partial(minibatch_step, loss_fn=loss_fn, optimizer=optimizer,
                    params=[p for p in agent.parameters() if p.requires_grad],
                    max_grad_norm=cfg.max_grad_norm, clip_grad=clip_grad, precision=precision)
-    step = executor.outer(step, state)
-    return partial(ppo_update, agent, optimizer, cfg=cfg, generator=generator, step=step)
+    step = executor.wrap_step(step, state=state, generator=generator)
+    return partial(ppo_update, agent, cfg=cfg, generator=generator, step=step)

@@ -41,7 +41,7 @@ def test_the_tf32_advice_is_answered_by_labkit():
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.resetwarnings()  # as if a catch_warnings block had dropped labkit's filter
-        Compiled().inner(lambda x: x)  # compiles nothing until called
+        Compiled().wrap_model(lambda x: x)  # compiles nothing until called
         warnings.warn("TensorFloat32 tensor cores for float32 matrix multiplication available "
                       "but not enabled. Consider setting ...", UserWarning, stacklevel=1)
         warnings.warn("another warning", UserWarning, stacklevel=1)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -10,12 +11,12 @@ from labkit.policy import Agent
 from labkit.ppo import (
     Batch,
     PPOConfig,
-    anneal_lr,
+    annealed_lr,
     fused_clip_grad_norm_,
     gae,
+    minibatch_step,
     ppo_loss,
     ppo_update,
-    set_lr,
 )
 from labkit.precision import PRECISIONS, Precision, ScaledPrecision, amp, fp32
 from labkit.update import Adam, FusedAdam
@@ -184,9 +185,16 @@ def _trained(value_head: str, seed: int = 1, clip_grad=fused_clip_grad_norm_):
     before = [p.detach().clone() for p in agent.parameters()]
     batch = _rollout_batch()
     with SyncMeter() as m:
-        stats = ppo_update(agent, opt, batch, cfg, generator=torch.Generator().manual_seed(seed),
-                           clip_grad=clip_grad)
+        stats = ppo_update(agent, batch, cfg, step=_step(agent, opt, cfg, clip_grad),
+                           generator=torch.Generator().manual_seed(seed))
     return agent, before, stats, m.host_reads
+
+
+def _step(agent, opt, cfg, clip_grad=fused_clip_grad_norm_):
+    """One eager minibatch step, its parts bound (what ``build_update`` does for a stage)."""
+    return partial(minibatch_step, loss_fn=partial(ppo_loss, agent, cfg=cfg), optimizer=opt,
+                   params=list(agent.parameters()), max_grad_norm=cfg.max_grad_norm,
+                   clip_grad=clip_grad)
 
 
 def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -215,36 +223,38 @@ def test_ppo_update_with_torch_clip_matches_fused():
     torch.testing.assert_close(s1["grad_norm"], s2["grad_norm"], rtol=1e-5, atol=0)
 
 
-def test_ppo_update_accepts_a_dict_and_checks_minibatches():
+def test_ppo_update_checks_minibatches():
     torch.manual_seed(0)
     agent = Agent()
     opt = Adam()(agent.parameters(), PPOConfig(), CPU)
-    batch = vars(_rollout_batch())
-    stats = ppo_update(agent, opt, batch, PPOConfig(update_epochs=1))
+    batch = _rollout_batch()
+    cfg = PPOConfig(update_epochs=1)
+    stats = ppo_update(agent, batch, cfg, step=_step(agent, opt, cfg))
     assert stats["entropy"].item() == pytest.approx(math.log(5), rel=0.01)
     with pytest.raises(ValueError, match="n_minibatches"):
-        ppo_update(agent, opt, batch, PPOConfig(n_minibatches=5))
+        ppo_update(agent, batch, PPOConfig(n_minibatches=5), step=_step(agent, opt, cfg))
 
 
-def test_lr_annealing_in_place():
+def test_the_optimizer_component_owns_its_lr():
+    """FusedAdam's LR is a device tensor written in place without a host read (graphs hold
+    it); Adam's is a float; both set from the same schedule."""
     agent = Agent()
     cfg = PPOConfig()
-    opt = FusedAdam()(agent.parameters(), cfg, CPU)
+    fused = FusedAdam()
+    opt = fused(agent.parameters(), cfg, CPU)
     lr_tensor = opt.param_groups[0]["lr"]
     assert isinstance(lr_tensor, torch.Tensor) and lr_tensor.dim() == 0
     with SyncMeter() as m:
-        anneal_lr(opt, cfg.lr, 3, 4)
-        anneal_lr(opt, cfg.lr, torch.tensor(1), 4)
+        fused.set_lr(opt, annealed_lr(cfg.lr, 1, 4))
     assert m.host_reads == 0
-    assert opt.param_groups[0]["lr"] is lr_tensor  # same tensor, updated in place
+    assert opt.param_groups[0]["lr"] is lr_tensor and fused.lr(opt) is lr_tensor
     assert lr_tensor.item() == pytest.approx(cfg.lr * 0.75)
-    plain = Adam()(agent.parameters(), cfg, CPU)
-    assert isinstance(plain.param_groups[0]["lr"], float)
-    anneal_lr(plain, cfg.lr, 2, 4)
-    assert plain.param_groups[0]["lr"] == pytest.approx(cfg.lr / 2)
-    set_lr(plain, 1e-3)
-    assert plain.param_groups[0]["lr"] == 1e-3
-    assert plain.defaults["eps"] == cfg.adam_eps
+    plain = Adam()
+    popt = plain(agent.parameters(), cfg, CPU)
+    plain.set_lr(popt, annealed_lr(cfg.lr, 2, 4))
+    assert isinstance(plain.lr(popt), float) and plain.lr(popt) == pytest.approx(cfg.lr / 2)
+    assert annealed_lr(cfg.lr, 5, 4) == 0.0  # past the horizon
+    assert popt.defaults["eps"] == cfg.adam_eps
 
 
 def test_optimizer_and_precision_components():

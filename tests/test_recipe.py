@@ -5,6 +5,7 @@ and, after one PPO update, the same parameters: within rtol 0 / atol 1e-6 on the
 ``fused_amp`` (the last stage that runs on a CPU: compiled policy and loss, fused Adam, fused
 clip, fp32), and against ``cuda_graphs`` on a bf16 CUDA GPU (CUDA-only test).
 """
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -46,7 +47,7 @@ def test_the_recipe_imports_nothing_from_labkit():
     text = PATH.read_text()
     assert "labkit" not in "".join(line for line in text.splitlines()
                                    if line.startswith(("import ", "from ")))
-    assert 200 < len(text.splitlines()) < 550  # one readable file
+    assert 200 < len(text.splitlines()) < 600  # one readable file, every Args field explained
 
 
 def test_the_env_is_bit_exact_with_forage_torch():
@@ -71,8 +72,10 @@ def _compare(args, run, stage: str) -> None:
         pipe.learn(batch)
         ref_params = [p.detach().clone() for p in pipe.agent.parameters()]
     r = recipe.make_runner(args)
-    ours = {k: v.clone() for k, v in recipe.collect(r).items()}
-    recipe.update(r, recipe.compute_batch(r), iteration=0)
+    step, train_step, on = recipe.make_steps(r)
+    assert on.startswith("compile on, CUDA graphs ")
+    ours = {k: v.clone() for k, v in recipe.collect(r, step).items()}
+    recipe.update(r, train_step, recipe.compute_batch(r), iteration=0)
     for key in ROLLOUT_KEYS:
         assert torch.equal(ours[key], ref[key]), key
     assert ref["dones"][1:].sum() > 0 and ref["rewards"].abs().sum() > 0  # resets, respawns
@@ -100,6 +103,16 @@ def test_recipe_matches_cuda_graphs_stage_on_a_bf16_gpu():
         pytest.skip(reason)
     args, run = _configs("cuda", n_envs=64, n_steps=32)
     _compare(args, run, "cuda_graphs")
+
+
+def test_every_flag_has_its_fields_docstring_as_help(capsys):
+    with pytest.raises(SystemExit):
+        recipe.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    docs = recipe.field_docs(recipe.Args)
+    assert set(docs) == {f.name for f in dataclasses.fields(recipe.Args)}  # every field
+    for name, doc in docs.items():
+        assert " ".join(doc.split()) in out, name
 
 
 def test_cli_parses_into_args():

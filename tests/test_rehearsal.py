@@ -19,7 +19,7 @@ from labkit.measure.bench import measure_stage
 from labkit.measure.syncmeter import SyncMeter
 from labkit.rollout import DeviceCollector
 from labkit.stages import STAGES, Pipeline
-from labkit.update import FusedAdam
+from labkit.update import Adam, FusedAdam
 
 RUN = RunConfig(n_envs=8, n_steps=16, spec=ForageSpec(episode_length=12))
 EAGER, GRAPHED = STAGES[7], STAGES[8]
@@ -82,7 +82,7 @@ def test_replayed_rollout_and_update_read_nothing():
 
 def test_warmup_restore_and_reset_with_graphs(stage_7):
     """warmup() captures both graphs inside its iteration and restores the state in place: the
-    next iterations are stage 7's, the parameters keep their storage, and reset() goes back."""
+    next iterations are stage 7's, the parameters keep their storage, and rewind() goes back."""
     with rehearsal(), Pipeline(GRAPHED, RUN, "cpu") as p:
         storage = [t.data_ptr() for t in p.agent.parameters()]
         assert warmup(p) > 0
@@ -91,7 +91,7 @@ def test_warmup_restore_and_reset_with_graphs(stage_7):
         first = {k: float(v) for k, v in p.iteration().items()}
         assert first == stage_7[0][1]
         assert all(torch.equal(a, b) for a, b in zip(p.agent.parameters(), stage_7[0][2]))
-        p.reset()
+        p.rewind()
         assert p.global_step == 0 and {k: float(v) for k, v in p.iteration().items()} == first
 
 
@@ -174,6 +174,8 @@ class _FloatLrAdam(FusedAdam):
     def __call__(self, params, cfg, device):
         return torch.optim.Adam(params, lr=cfg.lr, eps=cfg.adam_eps, fused=True)
 
+    set_lr = staticmethod(Adam.set_lr)  # the component owns its LR: here a float
+
 
 def test_a_float_lr_is_frozen_in_the_graph():
     """A control that the updates are replays: annealing a float LR changes eager steps and not
@@ -233,20 +235,20 @@ def test_the_recipes_graph_step_equals_the_recipe_run_eagerly():
 
     def two_iterations(graphs: bool) -> tuple:
         r = recipe.make_runner(args)
+        step, train_step, _ = recipe.make_steps(r)  # no graphs on a CPU: captured here
         if graphs:
-            r.step = recipe.CudaGraphStep(r.step, r)
-            r.train_step = recipe.CudaGraphStep(r.train_step, r)
+            step, train_step = recipe.CudaGraphStep(step, r), recipe.CudaGraphStep(train_step, r)
         rollouts = []
         for i in range(2):
-            rollouts.append({k: v.clone() for k, v in recipe.collect(r).items()})
-            recipe.update(r, recipe.compute_batch(r), iteration=i)
-        return rollouts, [p.detach().clone() for p in r.agent.parameters()], r
+            rollouts.append({k: v.clone() for k, v in recipe.collect(r, step).items()})
+            recipe.update(r, train_step, recipe.compute_batch(r), iteration=i)
+        return rollouts, [p.detach().clone() for p in r.agent.parameters()], step
 
     with torch.compiler.set_stance("force_eager"):
         eager_rollouts, eager_params, _ = two_iterations(False)
     with rehearsal() as reh:
-        rollouts, params, runner = two_iterations(True)
-    assert len(reh.graphs) == 2 and runner.step.graph.replays == 2 * args.n_steps
+        rollouts, params, step = two_iterations(True)
+    assert len(reh.graphs) == 2 and step.graph.replays == 2 * args.n_steps
     for a, b in zip(eager_rollouts, rollouts):
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert all(torch.equal(a, b) for a, b in zip(eager_params, params))

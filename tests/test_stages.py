@@ -203,7 +203,7 @@ def test_warmup_then_restore_computes_what_a_fresh_pipeline_computes(index, devi
         assert {k: float(v) for k, v in a.items()} == {k: float(v) for k, v in b.items()}
         for x, y in zip(tree_tensors(fresh.state_dict()), tree_tensors(p.state_dict())):
             assert torch.equal(x, y)
-        p.reset()
+        p.rewind()
         assert p.global_step == 0 and p.iteration_index == 0
         assert {k: float(v) for k, v in p.iteration().items()} == \
             {k: float(v) for k, v in a.items()}
@@ -404,3 +404,17 @@ def test_cuda_measure_stage_8():
     assert row["host_reads_rollout_per_step"] == 0 and row["host_reads_per_iter"] == 1
     assert row["cuda_syncs_per_iter"] == 1
     assert row["sps"] > 0 and row["ceiling_sps"] > 0
+
+
+@pytest.mark.parametrize("stage, env", [(3, "ForageNumpy"), (1, "ForageTorch"),
+                                        (0, "ForageNumpy")])
+def test_a_collector_refuses_an_env_it_cannot_step(stage, env):
+    """The env-collector pairing is declared (``Collector.accepts``) and a wrong one is refused
+    the way a missing device is: a skip reason, and StageSkipped from the Pipeline."""
+    import labkit.envs
+
+    wrong = dataclasses.replace(STAGES[stage], env=getattr(labkit.envs, env))
+    reason = wrong.skip_reason(torch.device("cpu"))
+    assert reason and f"cannot step {env}" in reason
+    with pytest.raises(StageSkipped, match=f"cannot step {env}"):
+        Pipeline(wrong, RunConfig(n_envs=2, n_steps=2), "cpu")

@@ -303,13 +303,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
     from ..config import RunConfig
-    from ..doctor import DOCTOR_RUN, diagnose
+    from ..doctor import diagnose
     from ..doctor.plants import plant
 
     stage = plant(args.stage, args.plant) if args.plant else args.stage
-    sizes = {k: v for k, v in (("n_envs", args.n_envs), ("n_steps", args.n_steps)) if v}
-    report = diagnose(stage, iterations=args.iterations, cfg=RunConfig(**{**DOCTOR_RUN, **sizes}),
-                      device=args.device)
+    report = diagnose(stage, iterations=args.iterations,
+                      cfg=RunConfig(n_envs=args.n_envs, n_steps=args.n_steps), device=args.device)
     print(json.dumps(report.to_dict()) if args.json else report.format())
     return 1 if report.findings else 0
 
@@ -347,17 +346,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog.removeprefix('python -m labkit ')}: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m labkit", description=__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_bench_env(sub) -> None:
     p = sub.add_parser("bench-env", help="time each Forage implementation")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--repeats", type=_positive_int, default=5)
     p.add_argument("--out", default="results", help="folder for the JSON")
     p.set_defaults(func=cmd_bench_env)
 
+
+def _add_ladder(sub) -> None:
     p = sub.add_parser("ladder", help="run every stage, print the table, write JSON + PNG")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--profile", choices=("quick", "full"), default=None,
@@ -375,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results", help="folder for JSON and PNG")
     p.set_defaults(func=cmd_ladder)
 
+
+def _add_train(sub) -> None:
     from ..config import RunConfig
     from .train import TrainConfig
 
@@ -415,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
+
+def _add_record(sub) -> None:
     p = sub.add_parser("record", help="re-record results and notebooks on this machine")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--profile", choices=("quick", "full", "tiny"), default=None,
@@ -439,10 +440,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results", help="results folder")
     p.set_defaults(func=cmd_record)
 
+
+def _add_report(sub) -> None:
     p = sub.add_parser("report", help="write results/RESULTS.md and the README's results")
     p.add_argument("--results", default="results", help="results folder")
     p.set_defaults(func=cmd_report)
 
+
+def _add_profile(sub) -> None:
     p = sub.add_parser("profile", help="a torch.profiler trace of steady-state iterations")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--stage", type=_stage, default="fused_amp", help="0-8 or a name")
@@ -454,27 +459,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/profile", help="folder for the trace")
     p.set_defaults(func=cmd_profile)
 
-    from ..doctor import DOCTOR_RUN
+
+def _add_stage_flags(p: argparse.ArgumentParser, stage: str, what: str, n_envs: int,
+                     n_steps: int) -> None:
+    """--stage, --plant, --n-envs and --n-steps: the doctor's and the rehearsal's."""
     from ..doctor.plants import PLANT_NAMES
+
+    p.add_argument("--stage", type=_stage, default=stage, help=f"{what} (default: %(default)s)")
+    p.add_argument("--plant", default=None,
+                   help=f"plant a regression first: {', '.join(PLANT_NAMES)}")
+    p.add_argument("--n-envs", type=_positive_int, default=n_envs, help="N (default: %(default)s)")
+    p.add_argument("--n-steps", type=_positive_int, default=n_steps,
+                   help="T (default: %(default)s)")
+
+
+def _add_doctor(sub) -> None:
+    from ..doctor import DOCTOR_RUN
+
     p = sub.add_parser(
         "doctor", help="run a few iterations under the meters and report regressions",
         description="Run a stage for a few iterations under the sync meter, a function watch, a "
                     "memory tracker and dynamo's counters; print what regressed and the "
                     "chapter with the fix. Exit 0 without findings, 1 with, 2 on a usage error.")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--stage", type=_stage, default="fused_amp",
-                   help="0-8 or a name (default: %(default)s)")
-    p.add_argument("--plant", default=None,
-                   help=f"plant a regression: {', '.join(PLANT_NAMES)}")
-    p.add_argument("--n-envs", type=_positive_int, default=None,
-                   help=f"N (default: {DOCTOR_RUN['n_envs']})")
-    p.add_argument("--n-steps", type=_positive_int, default=None,
-                   help=f"T (default: {DOCTOR_RUN['n_steps']})")
+    _add_stage_flags(p, "fused_amp", "0-8 or a name", **DOCTOR_RUN)
     p.add_argument("--iterations", type=_int_at_least(2), default=2,
                    help="timed iterations, >= 2 (default: %(default)s)")
     p.add_argument("--json", action="store_true", help='print {"findings": [...], ...}')
     p.set_defaults(func=cmd_doctor)
 
+
+def _add_rehearse(sub) -> None:
     p = sub.add_parser(
         "rehearse", help="rehearse a stage's CUDA graph captures on the CPU",
         description="Capture and replay a stage's CUDA graphs on the CPU "
@@ -483,22 +498,34 @@ def build_parser() -> argparse.ArgumentParser:
                     "and whether the replays compute what the stage without graphs computes, "
                     "bit for bit. No speed is measured. Exit 0 when capturable and equal, 1 "
                     "otherwise, 2 on a usage error.")
-    p.add_argument("--stage", type=_stage, default="cuda_graphs",
-                   help="a stage with CUDA graphs (default: %(default)s)")
-    p.add_argument("--plant", default=None,
-                   help=f"plant a regression first: {', '.join(PLANT_NAMES)}")
+    _add_stage_flags(p, "cuda_graphs", "a stage with CUDA graphs", n_envs=16, n_steps=16)
     p.add_argument("--device", default="cpu", help="cpu (the rehearsal's only device)")
-    p.add_argument("--n-envs", type=_positive_int, default=16, help="N (default: %(default)s)")
-    p.add_argument("--n-steps", type=_positive_int, default=16, help="T (default: %(default)s)")
     p.add_argument("--iterations", type=_positive_int, default=2,
                    help="iterations rehearsed (default: %(default)s)")
     p.set_defaults(func=cmd_rehearse)
 
+
+def _add_plot_runs(sub) -> None:
     p = sub.add_parser("plot-runs", help="learning curves of train runs (steps and wall time)")
     p.add_argument("runs", nargs="+", help="train --out folders")
     p.add_argument("--oracle", type=float, default=None, help="draw the oracle's return")
     p.add_argument("--out", default="results/learning.png", help="PNG to write")
     p.set_defaults(func=cmd_plot_runs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m labkit", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_bench_env(sub)
+    _add_ladder(sub)
+    _add_train(sub)
+    _add_record(sub)
+    _add_report(sub)
+    _add_profile(sub)
+    _add_doctor(sub)
+    _add_rehearse(sub)
+    _add_plot_runs(sub)
     return parser
 
 

@@ -164,16 +164,13 @@ def build_pipeline(cfg: TrainConfig, device: torch.device, group: Group = SINGLE
 
 def _read_stats(pipeline: Pipeline, stats: dict) -> dict[str, float]:
     """Update statistics (device tensors) and the LR as Python floats."""
-    lr = pipeline.optimizer.param_groups[0]["lr"]
     values = [stats[k].float() for k in UPDATE_KEYS]
-    if isinstance(lr, torch.Tensor):
-        values.append(lr.float())
+    lr = pipeline.stage.optimizer.lr(pipeline.optimizer)  # a float or a device tensor
+    values.append(torch.as_tensor(lr, dtype=torch.float32, device=values[0].device))
     # The loop's one deliberate host sync per iteration: it also makes the clock read after it
     # honest on CUDA. (The episode statistics were read by the stage's metrics component.)
     numbers = torch.stack(values).tolist()
-    out = dict(zip(UPDATE_KEYS, numbers[:len(UPDATE_KEYS)], strict=True))
-    out["lr"] = numbers[-1] if isinstance(lr, torch.Tensor) else float(lr)
-    return out
+    return dict(zip((*UPDATE_KEYS, "lr"), numbers, strict=True))
 
 
 def _read_metrics(path: Path, keep_through: int) -> list[dict]:
@@ -380,164 +377,231 @@ def _closer(log):
     return close
 
 
+class _Session:
+    """One training process between iterations: the state of the last finished iteration (what
+    a checkpoint holds, and what resumes exactly), the recent records, the logs it writes, and
+    how it saves. Every rank has one; rank 0 (``main``) writes."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, device: torch.device, group: Group,
+                 pipe: Pipeline, saved: dict | None, kept: list[dict], start: int) -> None:
+        self.cfg, self.device, self.group, self.pipe = cfg, device, group, pipe
+        self.start = start
+        self.main = group.is_main
+        self.ckpt_path = out / checkpoint.FILENAME
+        self.steps_per_iteration = cfg.run.batch_size * cfg.world_size
+        self.recent: deque = deque(kept[-FINAL_WINDOW:], maxlen=FINAL_WINDOW)
+        self.wall_before = float(saved["wall_s"]) if saved is not None else 0.0
+        self.state, self.state_wall = pipe.state_dict(), self.wall_before
+        self.saved_iteration = saved["state"]["iteration"] if saved is not None else None
+        self.metrics_log: SyncLogger | None = None
+        self.board: AsyncLogger | None = None
+        self.first_iter_s: float | None = None
+        self.t_start = self.session_s = 0.0
+
+    def open_logs(self, resources: contextlib.ExitStack, out: Path,
+                  tensorboard: str | Path | None) -> None:
+        if not self.main:
+            return
+        self.metrics_log = SyncLogger(out / METRICS, mode="a")
+        resources.push(_closer(self.metrics_log))
+        if tensorboard is not None:
+            self.board = AsyncLogger(None, sinks=[TensorBoardSink(tensorboard)])
+            resources.push(_closer(self.board))
+
+    def record(self, it: int, stats: dict, t0: float) -> dict:
+        """Iteration ``it``'s record (one host read); a non-finite loss on any rank saves the
+        last finite state and raises :class:`TrainingFailed`."""
+        record = {"iteration": it + 1, **_read_stats(self.pipe, stats),
+                  **{k: stats[k] for k in ("episodes", "mean_return", "std_return",
+                                           "mean_length")}}
+        bad = [k for k in UPDATE_KEYS if not math.isfinite(record[k])]
+        if self.group.any(bad):
+            with signals_deferred(reraise=False):
+                if self.behind():
+                    self.save()  # the last finite state
+            what = ", ".join(bad) or "on another rank"
+            raise TrainingFailed(f"the loss became non-finite ({what}) in iteration {it + 1}; "
+                                 f"stopped. {self.where()}")
+        now = time.perf_counter()
+        iter_s = now - t0
+        self.first_iter_s = iter_s if self.first_iter_s is None else self.first_iter_s
+        record.update(iter_s=iter_s, sps=self.steps_per_iteration / iter_s,
+                      wall_s=self.wall_before + now - self.t_start)
+        return record
+
+    def log(self, record: dict) -> None:
+        """The record into metrics.jsonl (flushed) and TensorBoard, on rank 0."""
+        step = self.pipe.global_step * self.group.world
+        if self.metrics_log is not None:
+            with _writing():
+                self.metrics_log.log(step, **record)
+                self.metrics_log.flush()
+        if self.board is not None:
+            with _writing():
+                self.board.log(step, **record)
+
+    def keep(self, record: dict) -> None:
+        """The iteration finished: its state is the one a checkpoint or a stop saves."""
+        self.recent.append(record)
+        self.state, self.state_wall = self.pipe.state_dict(), record["wall_s"]
+
+    def behind(self) -> bool:
+        return self.state["iteration"] != self.saved_iteration
+
+    def save(self) -> None:
+        """Every rank takes part (its envs are in the checkpoint); rank 0 writes."""
+        parts = self.group.gather(_rank_part(self.state))
+        if self.main:
+            payload = {"config": self.cfg.to_dict(), "device": str(self.device),
+                       "wall_s": self.state_wall, "state": self.state}
+            if self.group.world > 1:
+                payload["ranks"] = parts
+            with _writing():
+                checkpoint.save(self.ckpt_path, payload)
+        self.saved_iteration = self.state["iteration"]
+
+    def save_on_failure(self, quiet: bool = False) -> None:
+        """Keep the last finished iteration after a failure, where one process can (ranks of a
+        torchrun stopped at different points cannot agree on a state)."""
+        if self.group.world == 1 and self.behind():
+            with contextlib.ExitStack() as guard:
+                if quiet:  # a crash: saving may fail too, and must not hide the crash
+                    guard.enter_context(contextlib.suppress(Exception))
+                guard.enter_context(signals_deferred(reraise=False))
+                self.save()
+
+    def where(self) -> str:
+        if self.saved_iteration is None:
+            return "no checkpoint was written yet"
+        return f"{self.ckpt_path} holds the state after iteration {self.saved_iteration}"
+
+    def stopped(self, err: BaseException) -> BaseException:
+        """What to raise for ``err``, which stopped the loop, after saving what can be saved."""
+        if isinstance(err, KeyboardInterrupt):
+            # Mid-iteration state is torn; the last boundary's copy is what resumes exactly.
+            # Ranks of a torchrun stop at different points: only scheduled checkpoints count.
+            signum = signum_of(err)
+            if self.group.world == 1:
+                with signals_deferred(reraise=False):
+                    self.save()
+            return TrainingInterrupted(
+                f"interrupted by {signal.Signals(signum).name}; {self.where()}", signum,
+                self.ckpt_path, self.saved_iteration)
+        if isinstance(err, _WriteError):
+            return TrainingFailed(f"writing the run failed: {err}. {self.where()}")
+        if isinstance(err, debug.NonFiniteError):
+            self.save_on_failure()
+            return TrainingFailed(f"debug checks: {err}, in iteration "
+                                  f"{self.state['iteration'] + 1}; stopped. {self.where()}")
+        # A crash (a bug, out of memory): keep the last finished iteration if that works.
+        self.save_on_failure(quiet=True)
+        if hasattr(err, "add_note"):
+            err.add_note(f"labkit: {self.where()}")
+        return err
+
+    def summary(self, end: int) -> dict[str, Any]:
+        """The run's summary after iteration ``end`` (what summary.json holds)."""
+        session_s, ran, spi = self.session_s, end - self.start, self.steps_per_iteration
+        checksums = self.group.all_gather(parameter_checksum(self.pipe.agent))
+        final_return, final_length = _final_means(self.recent)
+        return {
+            "stage": self.cfg.stage, "device": str(self.device),
+            "complete": end == self.cfg.n_iterations, "iterations": end, "steps": end * spi,
+            "world_size": self.group.world,
+            "params_identical_on_all_ranks": len(set(checksums)) == 1,
+            "param_checksums": checksums,
+            "final_mean_return": final_return, "final_mean_length": final_length,
+            "final_window_iterations": len(self.recent),
+            "wall_s": self.wall_before + session_s,
+            "steps_per_s": ran * spi / session_s if ran else math.nan,
+            "steady_steps_per_s": ((ran - 1) * spi / (session_s - self.first_iter_s)
+                                   if ran > 1 else math.nan),
+            "first_iteration_s": self.first_iter_s,
+            "config": self.cfg.to_dict(),
+        }
+
+
+def _start_of(cfg: TrainConfig, saved: dict | None, out: Path, device: torch.device) -> int:
+    """The iteration the run goes on from: 0, or the checkpoint's (refused on another kind of
+    device, or when the run is complete without its summary)."""
+    if saved is None:
+        return 0
+    if torch.device(saved["device"]).type != device.type:
+        raise ValueError(f"{out / checkpoint.FILENAME} was written on {saved['device']}; resume "
+                         f"it on the same kind of device (got {device}): the sampling "
+                         "generator's state is device-specific")
+    start = saved["state"]["iteration"]
+    if start == cfg.n_iterations and not (out / SUMMARY).exists():
+        raise ValueError(f"the run in {out} is complete ({start} iterations); nothing to resume")
+    return start
+
+
+def _load(pipe: Pipeline, saved: dict, group: Group, ckpt_path: Path) -> None:
+    """The checkpoint's state into ``pipe`` (this rank's envs, under torchrun)."""
+    state = dict(saved["state"])
+    if group.world > 1:
+        state.update(saved["ranks"][group.rank])
+    try:
+        pipe.load_state_dict(state)
+    except (KeyError, RuntimeError, TypeError, ValueError) as err:
+        raise checkpoint.CheckpointError(f"{ckpt_path}: its state does not fit its "
+                                         f"config ({type(err).__name__}: {err})") from None
+
+
+def _show(bar: Any, record: dict, steps: int) -> None:
+    bar.update(steps)
+    if record["episodes"]:
+        bar.set_postfix(ret=f"{record['mean_return']:.2f}", sps=f"{record['sps']:.0f}")
+
+
 def _run(cfg: TrainConfig, saved: dict | None, out: Path, progress: bool,
          stop_after: int | None, tensorboard: str | Path | None, group: Group
          ) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    main = group.is_main
-    ckpt_path = out / checkpoint.FILENAME
     device = check_runnable(cfg, group)
-    if saved is not None and torch.device(saved["device"]).type != device.type:
-        raise ValueError(f"{ckpt_path} was written on {saved['device']}; resume it on the same "
-                         f"kind of device (got {device}): the sampling generator's state is "
-                         "device-specific")
-    start = saved["state"]["iteration"] if saved is not None else 0
-    if saved is not None and start == cfg.n_iterations:
-        if (out / SUMMARY).exists():
-            return {**json.loads((out / SUMMARY).read_text(encoding="utf-8")),
-                    "already_complete": True}
-        raise ValueError(f"the run in {out} is complete ({start} iterations); nothing to resume")
-    kept = _read_metrics(out / METRICS, start) if main else []
+    start = _start_of(cfg, saved, out, device)
+    if start == cfg.n_iterations:  # complete, and its summary is there
+        return {**json.loads((out / SUMMARY).read_text(encoding="utf-8")),
+                "already_complete": True}
+    kept = _read_metrics(out / METRICS, start) if group.is_main else []
     end = cfg.n_iterations if stop_after is None else max(start, min(stop_after,
                                                                      cfg.n_iterations))
-    steps_per_iteration = cfg.run.batch_size * cfg.world_size
-    recent: deque = deque(kept[-FINAL_WINDOW:], maxlen=FINAL_WINDOW)
-    wall_before = float(saved["wall_s"]) if saved is not None else 0.0
-
     with contextlib.ExitStack() as resources:
         pipe = resources.enter_context(build_pipeline(cfg, device, group))
         if saved is not None:
-            state = dict(saved["state"])
-            if group.world > 1:
-                state.update(saved["ranks"][group.rank])
-            try:
-                pipe.load_state_dict(state)
-            except (KeyError, RuntimeError, TypeError, ValueError) as err:
-                raise checkpoint.CheckpointError(f"{ckpt_path}: its state does not fit its "
-                                                 f"config ({type(err).__name__}: {err})") from None
-        if main and (saved is not None or (out / METRICS).exists()):
+            _load(pipe, saved, group, out / checkpoint.FILENAME)
+        if group.is_main and (saved is not None or (out / METRICS).exists()):
             write_jsonl(out / METRICS, kept)
-        metrics_log = board = None
-        if main:
-            metrics_log = SyncLogger(out / METRICS, mode="a")
-            resources.push(_closer(metrics_log))
-            if tensorboard is not None:
-                board = AsyncLogger(None, sinks=[TensorBoardSink(tensorboard)])
-                resources.push(_closer(board))
-        state, state_wall = pipe.state_dict(), wall_before
-        saved_iteration = start if saved is not None else None
-
-        def save_state() -> None:
-            """Every rank takes part (its envs are in the checkpoint); rank 0 writes."""
-            nonlocal saved_iteration
-            parts = group.gather(_rank_part(state))
-            if main:
-                payload = {"config": cfg.to_dict(), "device": str(device),
-                           "wall_s": state_wall, "state": state}
-                if group.world > 1:
-                    payload["ranks"] = parts
-                with _writing():
-                    checkpoint.save(ckpt_path, payload)
-            saved_iteration = state["iteration"]
-
-        def where_saved() -> str:
-            if saved_iteration is None:
-                return "no checkpoint was written yet"
-            return f"{ckpt_path} holds the state after iteration {saved_iteration}"
-
+        session = _Session(cfg, out, device, group, pipe, saved, kept, start)
+        session.open_logs(resources, out, tensorboard)
+        steps = session.steps_per_iteration
         bar = resources.enter_context(tqdm(
-            total=cfg.n_iterations * steps_per_iteration, initial=start * steps_per_iteration,
-            unit="step", unit_scale=True, desc=f"train {cfg.stage}",
-            disable=not (progress and main)))
-        first_iter_s = None
-        t_start = time.perf_counter()
+            total=cfg.n_iterations * steps, initial=start * steps, unit="step",
+            unit_scale=True, desc=f"train {cfg.stage}", disable=not (progress and group.is_main)))
+        session.t_start = time.perf_counter()
         try:
             with stop_signals():
                 for it in range(start, end):
                     t0 = time.perf_counter()
-                    stats = pipe.iteration()
-                    record = {"iteration": it + 1, **_read_stats(pipe, stats),
-                              **{k: stats[k] for k in ("episodes", "mean_return",
-                                                       "std_return", "mean_length")}}
-                    bad = [k for k in UPDATE_KEYS if not math.isfinite(record[k])]
-                    if group.any(bad):
-                        with signals_deferred(reraise=False):
-                            if state["iteration"] != saved_iteration:
-                                save_state()  # the last finite state
-                        what = ", ".join(bad) or "on another rank"
-                        raise TrainingFailed(f"the loss became non-finite ({what}) in "
-                                             f"iteration {it + 1}; stopped. {where_saved()}")
-                    now = time.perf_counter()
-                    iter_s = now - t0
-                    first_iter_s = iter_s if first_iter_s is None else first_iter_s
-                    record.update(iter_s=iter_s, sps=steps_per_iteration / iter_s,
-                                  wall_s=wall_before + now - t_start)
-                    if main:
-                        with _writing():
-                            metrics_log.log(pipe.global_step * group.world, **record)
-                            metrics_log.flush()
-                        if board is not None:
-                            with _writing():
-                                board.log(pipe.global_step * group.world, **record)
-                    recent.append(record)
-                    state, state_wall = pipe.state_dict(), record["wall_s"]
+                    record = session.record(it, pipe.iteration(), t0)
+                    session.log(record)
+                    session.keep(record)
                     if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
                         with signals_deferred():  # a stop during the save stops after it
-                            save_state()
-                    bar.update(steps_per_iteration)
-                    if record["episodes"]:
-                        bar.set_postfix(ret=f"{record['mean_return']:.2f}",
-                                        sps=f"{record['sps']:.0f}")
+                            session.save()
+                    _show(bar, record, steps)
             with signals_deferred(reraise=False):  # the run is done; a late stop changes nothing
-                save_state()
-        except KeyboardInterrupt as stop:
-            # Mid-iteration state is torn; the last boundary's copy is what resumes exactly.
-            # Ranks of a torchrun stop at different points: only scheduled checkpoints count.
-            signum = signum_of(stop)
-            if group.world == 1:
-                with signals_deferred(reraise=False):
-                    save_state()
-            raise TrainingInterrupted(
-                f"interrupted by {signal.Signals(signum).name}; {where_saved()}", signum,
-                ckpt_path, saved_iteration) from None
-        except _WriteError as err:
-            raise TrainingFailed(f"writing the run failed: {err}. {where_saved()}") from None
-        except debug.NonFiniteError as err:
-            if group.world == 1 and state["iteration"] != saved_iteration:
-                with signals_deferred(reraise=False):
-                    save_state()
-            raise TrainingFailed(f"debug checks: {err}, in iteration {state['iteration'] + 1}"
-                                 f"; stopped. {where_saved()}") from None
+                session.save()
         except TrainingFailed:
             raise
-        except Exception as err:
-            # A crash (a bug, out of memory): keep the last finished iteration if that works.
-            if group.world == 1 and state["iteration"] != saved_iteration:
-                with contextlib.suppress(Exception), signals_deferred(reraise=False):
-                    save_state()
-            if hasattr(err, "add_note"):
-                err.add_note(f"labkit: {where_saved()}")
-            raise
-        session_s = time.perf_counter() - t_start
-
-    ran = end - start
-    checksums = group.all_gather(parameter_checksum(pipe.agent))
-    final_return, final_length = _final_means(recent)
-    summary = {
-        "stage": cfg.stage, "device": str(device), "complete": end == cfg.n_iterations,
-        "iterations": end, "steps": end * steps_per_iteration,
-        "world_size": group.world, "params_identical_on_all_ranks": len(set(checksums)) == 1,
-        "param_checksums": checksums,
-        "final_mean_return": final_return, "final_mean_length": final_length,
-        "final_window_iterations": len(recent),
-        "wall_s": wall_before + session_s,
-        "steps_per_s": ran * steps_per_iteration / session_s if ran else math.nan,
-        "steady_steps_per_s": ((ran - 1) * steps_per_iteration / (session_s - first_iter_s)
-                               if ran > 1 else math.nan),
-        "first_iteration_s": first_iter_s,
-        "config": cfg.to_dict(),
-    }
-    if main:
+        except (KeyboardInterrupt, Exception) as err:
+            stop = session.stopped(err)
+            if stop is err:
+                raise
+            raise stop from None
+        session.session_s = time.perf_counter() - session.t_start
+    summary = session.summary(end)
+    if group.is_main:
         write_json(out / SUMMARY, summary)
     return summary

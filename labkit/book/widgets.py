@@ -28,12 +28,7 @@ def ladder_controls(n_envs: int | None = None, n_steps: int | None = None,
         print("Ladder controls need ipywidgets (pip install ipywidgets); without them, "
               "python -m labkit ladder runs the same ladder")
         return None
-    import matplotlib.pyplot as plt
     from IPython.display import display
-
-    from ..config import BenchConfig
-    from ..measure.bench import format_ladder, format_phases, run_ladder
-    from .plots import ladder_bars, phase_bars
 
     class LadderForm(w.VBox):
         def __repr__(self) -> str:  # what a renderer without widgets (GitHub) shows
@@ -70,18 +65,8 @@ def ladder_controls(n_envs: int | None = None, n_steps: int | None = None,
 
         try:
             with out:
-                profile = "full" if device.value.startswith("cuda") else "quick"
-                cfg = BenchConfig.from_profile(profile, n_envs=n.value, n_steps=t.value)
-                result = run_ladder(cfg, torch.device(device.value),
-                                    stages=[STAGES[i] for i in pick.value], scaling=False,
-                                    profile=profile, progress=progress)
+                run_and_show(device.value, n.value, t.value, pick.value, progress)
                 bar.value, bar.description = bar.max, "done"
-                print(format_ladder(result))
-                print(format_phases(result))
-                fig, axes = plt.subplots(1, 2, figsize=(14, 4))
-                ladder_bars(result, ax=axes[0])
-                phase_bars(result["ladder"], ax=axes[1])
-                plt.show()
         finally:
             run.disabled = False
 
@@ -90,3 +75,25 @@ def ladder_controls(n_envs: int | None = None, n_steps: int | None = None,
     form = LadderForm([w.HBox([device, n, t]), pick, w.HBox([run, bar]), out])
     display(form)
     return form
+
+
+def run_and_show(device: str, n_envs: int, n_steps: int, stages: tuple[int, ...],
+                 progress=None) -> None:
+    """What the form's "Run" does: the ladder of ``stages`` on ``device`` at N x T (the full
+    profile on CUDA, quick otherwise), its tables, and its bars."""
+    import matplotlib.pyplot as plt
+
+    from ..config import BenchConfig
+    from ..measure.bench import format_ladder, format_phases, run_ladder
+    from .plots import ladder_bars, phase_bars
+
+    profile = "full" if device.startswith("cuda") else "quick"
+    cfg = BenchConfig.from_profile(profile, n_envs=n_envs, n_steps=n_steps)
+    result = run_ladder(cfg, torch.device(device), stages=[STAGES[i] for i in stages],
+                        scaling=False, profile=profile, progress=progress)
+    print(format_ladder(result))
+    print(format_phases(result))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4))
+    ladder_bars(result, ax=axes[0])
+    phase_bars(result["ladder"], ax=axes[1])
+    plt.show()

@@ -730,11 +730,33 @@ def diagnose(target: Pipeline | Stage | int | str, iterations: int = 2,
     return report
 
 
+@dataclass
+class _Measurements:
+    """What one diagnosis measured: the timed iterations' seconds and phases, memory after
+    each step, the metered iteration's host reads (rollout, learn), the function watch, and
+    dynamo's counts before and after."""
+
+    times: list[float]
+    phases: list[dict]
+    snaps: list[dict]
+    reads: tuple[SyncMeter, SyncMeter]
+    watch: tuple[dict, dict]
+    new_graphs: int
+    breaks: Counter
+    reasons_before: dict
+
+
 def _diagnose(pipe: Pipeline, report: Report, iterations: int, baseline: bool) -> None:
+    m = _measure(pipe, report, iterations)
+    if m is not None:
+        _judge(pipe, m, report, iterations, baseline)
+
+
+def _measure(pipe: Pipeline, report: Report, iterations: int) -> _Measurements | None:
+    """Warm up, time ``iterations`` marked iterations, meter one, watch one; None (and the
+    error as a finding) if the stage's code raises."""
     from torch._dynamo.exc import TorchDynamoException
 
-    parts = _Parts(pipe.stage, pipe.agent)
-    cfg, device, n_steps = pipe.cfg, pipe.device, pipe.cfg.n_steps
     times, phases, snaps = [], [], []
     step = "the warmup"
     try:
@@ -748,27 +770,36 @@ def _diagnose(pipe: Pipeline, report: Report, iterations: int, baseline: bool) -
             phases.append(ms)
             snaps.append(_memory(pipe))
         step = "the metered iteration"
-        m_roll, m_learn = _metered(pipe)
+        reads = _metered(pipe)
         snaps.append(_memory(pipe))
         graphs1, breaks1, _ = _dynamo_state()
         watch = _watched(pipe)
         snaps.append(_memory(pipe))
     except Exception as err:  # a compile or capture error, or any other: a finding
-        report.findings.append(_error_finding(err, parts, step))
+        report.findings.append(_error_finding(err, _Parts(pipe.stage, pipe.agent), step))
         what = "compiled code" if isinstance(err, TorchDynamoException) else "code"
         report.notes.append(f"stopped in {step}: the stage's {what} raised, so the rest could "
                             "not be measured")
-        return
+        return None
+    return _Measurements(times, phases, snaps, reads, watch, graphs1 - graphs0,
+                         breaks1 - breaks0, reasons0)
 
-    it_ms = 1e3 * statistics.median(times)
-    phase_ms = {k: round(statistics.median(p.get(k, 0.0) for p in phases), 3)
-                for k in {k for p in phases for k in p}}
+
+def _judge(pipe: Pipeline, m: _Measurements, report: Report, iterations: int,
+           baseline: bool) -> None:
+    """The report's figures and findings from what was measured, most costly first."""
+    parts = _Parts(pipe.stage, pipe.agent)
+    cfg, device, n_steps = pipe.cfg, pipe.device, pipe.cfg.n_steps
+    m_roll, m_learn = m.reads
+    it_ms = 1e3 * statistics.median(m.times)
+    phase_ms = {k: round(statistics.median(p.get(k, 0.0) for p in m.phases), 3)
+                for k in {k for p in m.phases for k in p}}
     report.iteration_s = it_ms / 1e3
     report.phase_ms = phase_ms
-    report.memory = {"live_tensors": [s["live_tensors"] for s in snaps],
-                     "rss_mb": [round(s["rss_mb"], 1) for s in snaps if s["rss_mb"]]}
+    report.memory = {"live_tensors": [s["live_tensors"] for s in m.snaps],
+                     "rss_mb": [round(s["rss_mb"], 1) for s in m.snaps if s["rss_mb"]]}
     if device.type == "cuda":
-        report.memory["cuda_mb"] = [round(s["cuda_mb"], 2) for s in snaps]
+        report.memory["cuda_mb"] = [round(s["cuda_mb"], 2) for s in m.snaps]
 
     findings, accepted = _site_findings(
         "host_read", {"host read": (m_roll.sites, m_learn.sites)}, cfg, parts, phase_ms, it_ms,
@@ -777,40 +808,54 @@ def _diagnose(pipe: Pipeline, report: Report, iterations: int, baseline: bool) -
                          "per_update": m_learn.host_reads,
                          "by_kind": dict(m_roll.counts + m_learn.counts), "accepted": accepted}
     findings += _site_findings(
-        "cpu_allocation", {label: (watch[0].get(key, Counter()), watch[1].get(key, Counter()))
+        "cpu_allocation", {label: (m.watch[0].get(key, Counter()), m.watch[1].get(key, Counter()))
                            for key, label in _ALLOCATIONS.items()},
         cfg, parts, phase_ms, it_ms)[0]
-    findings += _memory_findings(snaps, parts, phase_ms, it_ms)
+    findings += _memory_findings(m.snaps, parts, phase_ms, it_ms)
     twin = without_graphs(STAGES[pipe.stage.index])  # the clean stage, judged the same way
     if baseline:
-        base = watch if pipe.stage == twin else _baseline_ops(twin, cfg, device)
-        findings += _excess_findings(watch, base, cfg, parts, phase_ms, it_ms)
-    new_graphs = graphs1 - graphs0
-    if new_graphs:
-        reasons, slot = _dynamo_reasons(reasons0, parts)
-        findings.append(Finding(
-            "recompile", parts.describe(slot),
-            f"{new_graphs} graph{'s' if new_graphs > 1 else ''} compiled after warmup, in "
-            f"{iterations + 1} iterations",
-            {"graphs_after_warmup": new_graphs, "reasons": reasons},
-            _cost(slot, phase_ms, it_ms), *_COMPILE_FIX))
-    breaks = breaks1 - breaks0
-    if breaks:
-        findings.append(Finding(
-            "graph_break", "the compiled code", f"{sum(breaks.values())} graph breaks after warmup",
-            {"reasons": [f"{n} x {r}" for r, n in breaks.most_common()]},
-            _cost("model", phase_ms, it_ms), *_COMPILE_FIX))
-    clean_precision = twin.precision(device).name
-    if pipe.precision.name == "fp32" and clean_precision != "fp32":
-        findings.append(Finding(
-            "precision", parts.describe("precision"),
-            f"the update runs in fp32; on this device the clean stage runs {clean_precision}",
-            {"precision": pipe.precision.name, "clean_stage_precision": clean_precision,
-             "device": str(device)},
-            _cost("precision", phase_ms, it_ms), *_SLOT_FIX["precision"]))
+        base = m.watch if pipe.stage == twin else _baseline_ops(twin, cfg, device)
+        findings += _excess_findings(m.watch, base, cfg, parts, phase_ms, it_ms)
+    findings += _compile_findings(m, parts, phase_ms, it_ms, iterations)
+    findings += _precision_findings(pipe, twin, parts, phase_ms, it_ms)
 
     def order(f: Finding) -> tuple[int, float]:
         ev = f.evidence
         return KINDS.index(f.kind), -(ev.get("per_step", 0) * n_steps + ev.get("per_update", 0))
 
     report.findings = sorted(findings, key=order)
+
+
+def _compile_findings(m: _Measurements, parts: _Parts, phase_ms: dict, it_ms: float,
+                      iterations: int) -> list[Finding]:
+    """Graphs compiled, and graph breaks, after the warmup."""
+    findings = []
+    if m.new_graphs:
+        reasons, slot = _dynamo_reasons(m.reasons_before, parts)
+        findings.append(Finding(
+            "recompile", parts.describe(slot),
+            f"{m.new_graphs} graph{'s' if m.new_graphs > 1 else ''} compiled after warmup, in "
+            f"{iterations + 1} iterations",
+            {"graphs_after_warmup": m.new_graphs, "reasons": reasons},
+            _cost(slot, phase_ms, it_ms), *_COMPILE_FIX))
+    if m.breaks:
+        findings.append(Finding(
+            "graph_break", "the compiled code",
+            f"{sum(m.breaks.values())} graph breaks after warmup",
+            {"reasons": [f"{n} x {r}" for r, n in m.breaks.most_common()]},
+            _cost("model", phase_ms, it_ms), *_COMPILE_FIX))
+    return findings
+
+
+def _precision_findings(pipe: Pipeline, twin: Stage, parts: _Parts, phase_ms: dict,
+                        it_ms: float) -> list[Finding]:
+    """fp32 where the clean stage runs reduced precision on this device."""
+    clean_precision = twin.precision(pipe.device).name
+    if pipe.precision.name != "fp32" or clean_precision == "fp32":
+        return []
+    return [Finding(
+        "precision", parts.describe("precision"),
+        f"the update runs in fp32; on this device the clean stage runs {clean_precision}",
+        {"precision": pipe.precision.name, "clean_stage_precision": clean_precision,
+         "device": str(pipe.device)},
+        _cost("precision", phase_ms, it_ms), *_SLOT_FIX["precision"])]

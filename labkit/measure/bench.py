@@ -23,9 +23,10 @@ from collections.abc import Callable
 import torch
 
 from ..capture import warmup
-from ..config import BenchConfig, check_memory
+from ..config import BenchConfig, RunConfig, check_memory
 from ..device import run_metadata, synchronize
 from ..policy import flops_per_sample
+from ..ppo import Batch
 from ..signals import signum_of
 from ..stages import STAGES, Pipeline, Stage, get_stage
 from ..timing import PHASES, lap_cost_s, time_calls
@@ -79,7 +80,8 @@ def compute_ceiling(pipe: Pipeline, batch, repeats: int) -> float:
     precision. The pipeline's state is restored afterwards."""
     saved = pipe.state_dict()
     obs = pipe.collector.next_obs()
-    policy_step = pipe.stage.rollout.outer(lambda: pipe.collector.act(obs), pipe)
+    policy_step = pipe.stage.rollout.wrap_step(lambda: pipe.collector.act(obs), state=pipe,
+                                               generator=pipe.generator)
 
     def model_work() -> None:
         with torch.no_grad():
@@ -90,6 +92,88 @@ def compute_ceiling(pipe: Pipeline, batch, repeats: int) -> float:
     timings = time_calls(model_work, pipe.device, repeats)  # the first call captures/compiles
     pipe.load_state_dict(saved)
     return timings.median
+
+
+def _steady_state(pipe: Pipeline, cfg: BenchConfig) -> tuple[list, list, list, list]:
+    """Timed iterations after the warmup, plain and phase-marked in turn, until
+    ``cfg.iterations`` of each (at least 2 whatever the time budget): their seconds, the
+    marked ones' phases, and the learning curve along the way."""
+    plain: list[float] = []
+    marked: list[float] = []
+    phases: list[dict] = []
+    curve: list[dict] = []
+    budget_end = time.perf_counter() + cfg.stage_timeout_s
+    start = time.perf_counter()
+    while len(plain) < cfg.iterations and (len(plain) < 2 or time.perf_counter() < budget_end):
+        for is_marked in (False, True):
+            seconds, ms, out = timed_iteration(pipe, is_marked)
+            (marked if is_marked else plain).append(seconds)
+            if is_marked:
+                phases.append(ms)
+            curve.append({"steps": pipe.global_step, "wall_s": time.perf_counter() - start,
+                          "mean_return": out["mean_return"]})
+    return plain, marked, phases, curve
+
+
+def _metered_iteration(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter, Batch]:
+    """One more iteration under the sync meter: the rollout's meter, the update's, and the
+    batch (the compute ceiling's update reuses it)."""
+    with SyncMeter(cuda_debug=True) as rollout:
+        batch = pipe.rollout()
+    with SyncMeter(cuda_debug=True) as update:
+        pipe.learn(batch)
+    synchronize(pipe.device)
+    return rollout, update, batch
+
+
+def _work_flops(run: RunConfig) -> float:
+    """Model FLOPs of one iteration: T x N policy forwards, the update's epochs of training
+    passes over them, and the bootstrap values."""
+    flops = flops_per_sample(run.spec.view)
+    samples = run.n_envs * run.n_steps
+    return (samples * (flops["forward"] + run.ppo.update_epochs * flops["train"])
+            + run.n_envs * flops["forward"])
+
+
+def _measure_pipe(pipe: Pipeline, cfg: BenchConfig, row: dict, lap_cost: float,
+                  peaks: dict[str, float] | None) -> None:
+    """Fill ``row`` with what :func:`measure_stage` measures of ``pipe``, as it goes (a stage
+    that fails half-way keeps the figures it got)."""
+    run, device = cfg.run, pipe.device
+    row["precision"] = pipe.precision.name
+    row["warmup_s"] = warmup(pipe)
+    plain, marked, phases, curve = _steady_state(pipe, cfg)
+    laps = pipe.clock.laps
+    m_roll, m_upd, batch = _metered_iteration(pipe)
+    ceiling_s = compute_ceiling(pipe, batch, cfg.iterations)
+    it_s = statistics.median(plain)
+    samples = run.n_envs * run.n_steps
+    mem, mem_kind = _peak_memory(device)
+    row.update({
+        "status": "ok", "iterations": len(plain), "iteration_s": it_s,
+        "iteration_s_spread": [min(plain), it_s, max(plain)],
+        "sps": samples / it_s,
+        "phase_ms": {k: statistics.median(p.get(k, 0.0) for p in phases)
+                     for k in PHASES if any(k in p for p in phases)},
+        "marked_iteration_s": statistics.median(marked),
+        "marks_per_iter": laps,
+        "marks_overhead": laps * lap_cost / it_s,
+        "marks_ab": statistics.median(marked) / it_s - 1,
+        "ceiling_sps": samples / ceiling_s,
+        "frac_of_ceiling": ceiling_s / it_s,
+        "peak_mem_mb": mem, "mem_kind": mem_kind,
+        "mean_return": curve[-1]["mean_return"], "curve": curve,
+        "host_reads_per_iter": m_roll.host_reads + m_upd.host_reads,
+        "host_reads_rollout_per_step": m_roll.host_reads / run.n_steps,
+        "host_reads_update": m_upd.host_reads,
+        "host_reads_by_kind": dict(m_roll.counts + m_upd.counts),
+        "flops_per_s": _work_flops(run) / it_s,
+    })
+    row["update_ms"] = row["phase_ms"].get("update", 0.0)
+    if device.type == "cuda":
+        row["cuda_syncs_per_iter"] = m_roll.cuda_syncs + m_upd.cuda_syncs
+    if peaks and pipe.precision.name in peaks:
+        row["frac_of_peak"] = row["flops_per_s"] / peaks[pipe.precision.name]
 
 
 def measure_stage(stage: Stage, cfg: BenchConfig, device: torch.device,
@@ -115,58 +199,8 @@ def measure_stage(stage: Stage, cfg: BenchConfig, device: torch.device,
     pipe = None
     try:
         pipe = Pipeline(stage, run, device)
-        lap_cost = lap_cost if lap_cost is not None else lap_cost_s(device)
-        row["precision"] = pipe.precision.name
-        row["warmup_s"] = warmup(pipe)
-        plain, marked, phases, curve = [], [], [], []
-        budget_end = time.perf_counter() + cfg.stage_timeout_s
-        start = time.perf_counter()
-        while len(plain) < cfg.iterations and (len(plain) < 2 or time.perf_counter() < budget_end):
-            for is_marked in (False, True):
-                seconds, ms, out = timed_iteration(pipe, is_marked)
-                (marked if is_marked else plain).append(seconds)
-                if is_marked:
-                    phases.append(ms)
-                curve.append({"steps": pipe.global_step, "wall_s": time.perf_counter() - start,
-                              "mean_return": out["mean_return"]})
-        laps = pipe.clock.laps
-        with SyncMeter(cuda_debug=True) as m_roll:
-            batch = pipe.rollout()
-        with SyncMeter(cuda_debug=True) as m_upd:
-            pipe.learn(batch)
-        synchronize(device)
-        ceiling_s = compute_ceiling(pipe, batch, cfg.iterations)
-        it_s = statistics.median(plain)
-        samples = run.n_envs * run.n_steps
-        flops = flops_per_sample(run.spec.view)
-        work = samples * (flops["forward"] + run.ppo.update_epochs * flops["train"]) \
-            + run.n_envs * flops["forward"]
-        mem, mem_kind = _peak_memory(device)
-        row.update({
-            "status": "ok", "iterations": len(plain), "iteration_s": it_s,
-            "iteration_s_spread": [min(plain), it_s, max(plain)],
-            "sps": samples / it_s,
-            "phase_ms": {k: statistics.median(p.get(k, 0.0) for p in phases)
-                         for k in PHASES if any(k in p for p in phases)},
-            "marked_iteration_s": statistics.median(marked),
-            "marks_per_iter": laps,
-            "marks_overhead": laps * lap_cost / it_s,
-            "marks_ab": statistics.median(marked) / it_s - 1,
-            "ceiling_sps": samples / ceiling_s,
-            "frac_of_ceiling": ceiling_s / it_s,
-            "peak_mem_mb": mem, "mem_kind": mem_kind,
-            "mean_return": curve[-1]["mean_return"], "curve": curve,
-            "host_reads_per_iter": m_roll.host_reads + m_upd.host_reads,
-            "host_reads_rollout_per_step": m_roll.host_reads / run.n_steps,
-            "host_reads_update": m_upd.host_reads,
-            "host_reads_by_kind": dict(m_roll.counts + m_upd.counts),
-            "flops_per_s": work / it_s,
-        })
-        row["update_ms"] = row["phase_ms"].get("update", 0.0)
-        if device.type == "cuda":
-            row["cuda_syncs_per_iter"] = m_roll.cuda_syncs + m_upd.cuda_syncs
-        if peaks and pipe.precision.name in peaks:
-            row["frac_of_peak"] = row["flops_per_s"] / peaks[pipe.precision.name]
+        _measure_pipe(pipe, cfg, row, lap_cost if lap_cost is not None else lap_cost_s(device),
+                      peaks)
     except Exception as err:  # one broken stage must not lose the others' results
         row = {**row, "status": _error_status(err)}
     finally:
