@@ -16,14 +16,13 @@ instead of replacing them.
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
-from .device import synchronize
+from .timing import timed
 
 WARMUP_CALLS = 3
 
@@ -89,11 +88,7 @@ def warmup(pipeline) -> float:
     return its seconds (synchronized). Compilation, graph capture and cuDNN autotuning happen
     here, and the timed iterations compute what an un-warmed run would."""
     saved = pipeline.state_dict()
-    synchronize(pipeline.device)
-    start = time.perf_counter()
-    pipeline.iteration()
-    synchronize(pipeline.device)
-    elapsed = time.perf_counter() - start
+    elapsed, _ = timed(pipeline.iteration, pipeline.device)
     pipeline.load_state_dict(saved)
     return elapsed
 

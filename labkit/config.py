@@ -9,9 +9,10 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from .envs.spec import ForageSpec, check_int, check_n_envs, check_seed
+from .envs.spec import ForageSpec, check_n_envs, check_seed
 from .policy import VALUE_HEADS
 from .ppo import PPOConfig
+from .validate import check_int, check_type
 
 PROFILES = ("quick", "full", "tiny")
 
@@ -46,8 +47,8 @@ class RunConfig:
             raise ValueError(f"value_head must be one of {', '.join(VALUE_HEADS)}; "
                              f"got {self.value_head!r}")
         check_int("lr_horizon", self.lr_horizon, 1)
-        _check_type("spec", self.spec, ForageSpec)
-        _check_type("ppo", self.ppo, PPOConfig)
+        check_type("spec", self.spec, ForageSpec)
+        check_type("ppo", self.ppo, PPOConfig)
         self.ppo.check_batch(self.n_envs, self.n_steps)
         self.batch_size = self.n_envs * self.n_steps
 
@@ -86,7 +87,7 @@ class BenchConfig:
     """A stage stops adding steady-state iterations once this much time was spent (>= 2 run)."""
 
     def __post_init__(self) -> None:
-        _check_type("run", self.run, RunConfig)
+        check_type("run", self.run, RunConfig)
         check_int("iterations", self.iterations, 2, 10_000)
         if not isinstance(self.scaling_n_envs, tuple):
             raise TypeError(f"scaling_n_envs must be a tuple of ints, got "
@@ -177,8 +178,3 @@ def split_run_fields(kwargs: dict) -> tuple[dict, dict]:
     names = {f.name for f in fields(RunConfig) if f.init}
     return ({k: v for k, v in kwargs.items() if k in names},
             {k: v for k, v in kwargs.items() if k not in names})
-
-
-def _check_type(name: str, value: object, cls: type) -> None:
-    if not isinstance(value, cls):
-        raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")

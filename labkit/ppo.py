@@ -6,7 +6,6 @@ replayed as CUDA graphs, and metered with :class:`labkit.measure.syncmeter.SyncM
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 
@@ -14,8 +13,8 @@ import torch
 from torch import nn
 
 from labkit import debug
-from labkit.envs.spec import check_int
 from labkit.precision import Precision
+from labkit.validate import check_float, check_int
 
 FP32 = Precision()  # minibatch_step's default: no autocast, a plain backward and step
 
@@ -53,11 +52,11 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         for name in ("gamma", "gae_lambda"):
-            _check_float(name, getattr(self, name), 0.0, "in [0, 1]", high=1.0)
+            check_float(name, getattr(self, name), 0.0, "in [0, 1]", high=1.0)
         for name in ("clip_coef", "lr", "adam_eps", "max_grad_norm"):
-            _check_float(name, getattr(self, name), 0.0, "> 0", strict=True)
+            check_float(name, getattr(self, name), 0.0, "> 0", strict=True)
         for name in ("vf_coef", "ent_coef"):
-            _check_float(name, getattr(self, name), 0.0, ">= 0")
+            check_float(name, getattr(self, name), 0.0, ">= 0")
         check_int("update_epochs", self.update_epochs, 1)
         check_int("n_minibatches", self.n_minibatches, 1)
         for f in fields(self):
@@ -71,15 +70,6 @@ class PPOConfig:
             raise ValueError(f"n_minibatches must divide n_envs * n_steps = {batch}, "
                              f"got n_minibatches={self.n_minibatches}")
         return batch // self.n_minibatches
-
-
-def _check_float(name: str, value: object, low: float, allowed: str, high: float | None = None,
-                 strict: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number {allowed}, got {value!r}")
-    if not math.isfinite(value) or value < low or (strict and value == low) or (
-            high is not None and value > high):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 @dataclass

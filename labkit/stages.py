@@ -24,10 +24,11 @@ PPO update) and owns its whole state. Every stage runs the same Forage dynamics 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -56,7 +57,17 @@ REQUIREMENTS = {
 
 @dataclass(frozen=True)
 class Stage:
-    """One rung of the ladder: which component fills each slot."""
+    """One rung of the ladder: which component fills each slot. The pipeline builds each one
+    with keywords, the slot's whole interface:
+
+    * ``env(n_envs=, spec=, seed=, device=, env_offset=)``, ``model(view=, value_head=)``,
+      ``collector(env=, n_steps=, act=, metrics=, device=, clock=)`` (its ``accepts`` names
+      the envs it can step), ``logger(target=)``, ``metrics(device=)``;
+    * ``optimizer(params=, cfg=, device=)``, which also owns ``set_lr``, ``lr`` and
+      ``clip_grad``; ``precision(device=)`` -> a :class:`labkit.precision.Precision`;
+    * ``rollout`` and ``update``: executors (``wrap_model``, ``wrap_step``).
+
+    What a component ``requires`` of the device becomes the stage's skip reason."""
 
     index: int
     name: str
@@ -136,6 +147,41 @@ def get_stage(key: Stage | int | str) -> Stage:
                      f"got {key!r}")
 
 
+@dataclass
+class PipelineState:
+    """Everything an iteration changes (device-side copies): the one snapshot that warmup, graph
+    capture, checkpoints, resume and torchrun use, and the one place its fields are named. A
+    checkpoint file stores :meth:`to_dict`."""
+
+    agent: dict
+    optimizer: dict
+    collector: dict
+    metrics: dict
+    generator: torch.Tensor
+    global_step: int
+    iteration: int
+
+    #: What differs between the ranks of a torchrun: their envs, episode stats and sampler.
+    PER_RANK: ClassVar[tuple[str, ...]] = ("collector", "metrics", "generator")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.keys()}
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> PipelineState:
+        missing = [k for k in cls.keys() if k not in state]
+        if missing:
+            raise KeyError(f"the state has no {', '.join(missing)}")
+        return cls(**{k: state[k] for k in cls.keys()})
+
+    def per_rank(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.PER_RANK}
+
+
 class StageSkipped(RuntimeError):
     """Raised when a stage cannot run on the requested device."""
 
@@ -169,19 +215,20 @@ class Pipeline:
         self.ppo = cfg.ppo
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
-            self.agent = stage.model(cfg.spec.view, cfg.value_head).to(device)
+            self.agent = stage.model(view=cfg.spec.view, value_head=cfg.value_head).to(device)
         self.group = group
         self.generator = torch.Generator(device).manual_seed(group.sampling_seed(cfg.seed))
         self.clock = PhaseClock(device)
-        self.precision = stage.precision(device)
-        self.optimizer = stage.optimizer(self.agent.parameters(), cfg.ppo, device)
+        self.precision = stage.precision(device=device)
+        self.optimizer = stage.optimizer(params=self.agent.parameters(), cfg=cfg.ppo,
+                                         device=device)
         if log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="labkit-")
             log_dir = self._tmp.name
         self.log_dir = Path(log_dir)
-        self.logger = stage.logger(self.log_dir / "steps.jsonl")
+        self.logger = stage.logger(target=self.log_dir / "steps.jsonl")
         self.metrics = stage.metrics(device=device)
-        env = stage.env(cfg.n_envs, cfg.spec, cfg.seed, device=device,
+        env = stage.env(n_envs=cfg.n_envs, spec=cfg.spec, seed=cfg.seed, device=device,
                         env_offset=group.env_offset(cfg.n_envs))
         self.policy = stage.rollout.wrap_model(self.agent)
         self.collector = stage.collector(
@@ -245,28 +292,24 @@ class Pipeline:
 
     # ------------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> PipelineState:
         """Copies (on the device: no host read) of everything an iteration changes."""
-        return clone_state({
-            "agent": self.agent.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "collector": self.collector.state_dict(),
-            "metrics": self.metrics.state_dict(),
-            "generator": self.generator.get_state(),
-            "global_step": self.global_step,
-            "iteration": self.iteration_index,
-        })
+        return clone_state(PipelineState(
+            agent=self.agent.state_dict(), optimizer=self.optimizer.state_dict(),
+            collector=self.collector.state_dict(), metrics=self.metrics.state_dict(),
+            generator=self.generator.get_state(), global_step=self.global_step,
+            iteration=self.iteration_index))
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: PipelineState) -> None:
         """Load ``state`` (from ``state_dict``, possibly via a checkpoint on the CPU) in place."""
-        self.agent.load_state_dict(state["agent"])
-        load_optimizer_state_(self.optimizer, state["optimizer"])
-        self.collector.load_state_dict(state["collector"])
-        self.metrics.load_state_dict(state["metrics"])
-        self.generator.set_state(state["generator"])
-        self.global_step = int(state["global_step"])
-        self.iteration_index = int(state["iteration"])
+        self.agent.load_state_dict(state.agent)
+        load_optimizer_state_(self.optimizer, state.optimizer)
+        self.collector.load_state_dict(state.collector)
+        self.metrics.load_state_dict(state.metrics)
+        self.generator.set_state(state.generator)
+        self.global_step = int(state.global_step)
+        self.iteration_index = int(state.iteration)
 
     def rewind(self) -> None:
         """Back to the state this pipeline was built with, in place (a ``reset`` is the envs':

@@ -11,10 +11,13 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from .device import capturing, synchronize
+
+T = TypeVar("T")
 
 #: Phase keys in the order of an iteration, with what each one holds.
 PHASES = {
@@ -73,17 +76,27 @@ class PhaseClock:
         return out
 
 
+def timed(fn: Callable[[], T], device: torch.device) -> tuple[float, T]:
+    """Seconds of ``fn()`` from a synchronized start to a synchronized end (on a GPU the host
+    clock is only honest once the device has finished its queued work), and its result."""
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - start, out
+
+
 def lap_cost_s(device: torch.device, laps: int = 5000) -> float:
     """Measured seconds that one ``PhaseClock.lap`` adds to the timed region on ``device``
     (the events are read later, outside it)."""
     clock = PhaseClock(device)
-    synchronize(device)
-    start = time.perf_counter()
-    clock.start()
-    for _ in range(laps):
-        clock.lap("x")
-    synchronize(device)
-    seconds = time.perf_counter() - start
+
+    def marks() -> None:
+        clock.start()
+        for _ in range(laps):
+            clock.lap("x")
+
+    seconds, _ = timed(marks, device)
     clock.stop()
     return seconds / laps
 
@@ -111,13 +124,7 @@ def time_calls(fn: Callable[[], object], device: torch.device, repeats: int = 5)
     so on a GPU the clock covers the queued work, not just its launch."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    times = []
-    for _ in range(repeats + 1):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)  # the host clock is only honest once the device has finished
-        times.append(time.perf_counter() - start)
+    times = [timed(fn, device)[0] for _ in range(repeats + 1)]
     return Timings(times[0], times[1:])
 
 

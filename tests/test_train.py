@@ -19,7 +19,7 @@ from labkit.envs.policies import mean_return
 from labkit.envs.spec import ForageSpec
 from labkit.executors import Eager
 from labkit.ppo import PPOConfig
-from labkit.stages import Pipeline, get_stage
+from labkit.stages import Pipeline, PipelineState, get_stage
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -43,15 +43,16 @@ def untimed(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
-def assert_same_state(a: dict, b: dict) -> None:
-    """Bit-identical model, optimizer, env, collector, generator state and counters."""
+def assert_same_state(a: dict | PipelineState, b: dict | PipelineState) -> None:
+    """Bit-identical model, optimizer, env, collector, generator state and counters (a state
+    as a pipeline holds it, or as a checkpoint file stores it)."""
+    a, b = (PipelineState.from_dict(s) if isinstance(s, dict) else s for s in (a, b))
     flat_a, flat_b = tree_tensors(a), tree_tensors(b)
     assert len(flat_a) == len(flat_b) > 0
     for x, y in zip(flat_a, flat_b, strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape
         assert torch.equal(x, y)
-    assert a["iteration"] == b["iteration"]
-    assert a["global_step"] == b["global_step"]
+    assert (a.iteration, a.global_step) == (b.iteration, b.global_step)
 
 
 @pytest.fixture(scope="module")

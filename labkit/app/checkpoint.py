@@ -25,14 +25,14 @@ import torch
 
 from ..capture import tree_map
 from ..files import atomic_write
+from ..stages import PipelineState
 
 FORMAT = 3
 FILENAME = "checkpoint.pt"
 MAGIC = b"LABKITCK"
 #: What a checkpoint payload holds, and what its state holds.
 KEYS = ("format", "config", "device", "wall_s", "state")
-STATE_KEYS = ("agent", "optimizer", "collector", "metrics", "generator", "global_step",
-              "iteration")
+STATE_KEYS = PipelineState.keys()
 
 
 class CheckpointError(ValueError):

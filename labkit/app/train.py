@@ -31,7 +31,6 @@ from ..config import RunConfig, check_memory, split_run_fields
 from ..device import ALLOWED as DEVICES
 from ..device import resolve_device
 from ..distributed import SINGLE, Group, join, leave, parameter_checksum
-from ..envs.spec import check_int
 from ..files import (
     FolderLock,
     check_output_dir,
@@ -41,7 +40,8 @@ from ..files import (
 )
 from ..logging import AsyncLogger, SyncLogger, TensorBoardSink
 from ..signals import signals_deferred, signum_of, stop_signals
-from ..stages import Pipeline, StageSkipped, get_stage
+from ..stages import Pipeline, PipelineState, StageSkipped, get_stage
+from ..validate import check_int
 from . import checkpoint
 
 METRICS = "metrics.jsonl"
@@ -344,10 +344,10 @@ def _train(cfg: TrainConfig | None, out: Path, resume: bool, progress: bool,
             lock.release()
 
 
-def _rank_part(state: dict) -> dict:
+def _rank_part(state: PipelineState) -> dict:
     """What differs between ranks (their envs, episode statistics, sampler), on the CPU so
     that it travels to rank 0 as plain bytes."""
-    return checkpoint.to_cpu({k: state[k] for k in ("collector", "metrics", "generator")})
+    return checkpoint.to_cpu(state.per_rank())
 
 
 class _WriteError(Exception):
@@ -446,19 +446,19 @@ class _Session:
         self.state, self.state_wall = self.pipe.state_dict(), record["wall_s"]
 
     def behind(self) -> bool:
-        return self.state["iteration"] != self.saved_iteration
+        return self.state.iteration != self.saved_iteration
 
     def save(self) -> None:
         """Every rank takes part (its envs are in the checkpoint); rank 0 writes."""
         parts = self.group.gather(_rank_part(self.state))
         if self.main:
             payload = {"config": self.cfg.to_dict(), "device": str(self.device),
-                       "wall_s": self.state_wall, "state": self.state}
+                       "wall_s": self.state_wall, "state": self.state.to_dict()}
             if self.group.world > 1:
                 payload["ranks"] = parts
             with _writing():
                 checkpoint.save(self.ckpt_path, payload)
-        self.saved_iteration = self.state["iteration"]
+        self.saved_iteration = self.state.iteration
 
     def save_on_failure(self, quiet: bool = False) -> None:
         """Keep the last finished iteration after a failure, where one process can (ranks of a
@@ -492,7 +492,7 @@ class _Session:
         if isinstance(err, debug.NonFiniteError):
             self.save_on_failure()
             return TrainingFailed(f"debug checks: {err}, in iteration "
-                                  f"{self.state['iteration'] + 1}; stopped. {self.where()}")
+                                  f"{self.state.iteration + 1}; stopped. {self.where()}")
         # A crash (a bug, out of memory): keep the last finished iteration if that works.
         self.save_on_failure(quiet=True)
         if hasattr(err, "add_note"):
@@ -542,7 +542,7 @@ def _load(pipe: Pipeline, saved: dict, group: Group, ckpt_path: Path) -> None:
     if group.world > 1:
         state.update(saved["ranks"][group.rank])
     try:
-        pipe.load_state_dict(state)
+        pipe.load_state_dict(PipelineState.from_dict(state))
     except (KeyError, RuntimeError, TypeError, ValueError) as err:
         raise checkpoint.CheckpointError(f"{ckpt_path}: its state does not fit its "
                                          f"config ({type(err).__name__}: {err})") from None

@@ -1,6 +1,7 @@
 """ForagePy: one Forage env in plain Python (lists and ints). The reference implementation."""
 from __future__ import annotations
 
+from ..validate import check_int
 from .rng import hash32
 from .spec import (
     ACTION_DELTAS,
@@ -12,7 +13,6 @@ from .spec import (
     POISON,
     WALL,
     ForageSpec,
-    check_int,
     check_n_envs,
     check_seed,
 )

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..validate import check_int
+
 EMPTY, WALL, FOOD, POISON = 0, 1, 2, 3
 N_ACTIONS = 5
 #: (row delta, column delta) per action: stay, up, down, left, right.
@@ -36,16 +38,6 @@ CHANNEL_OF = {WALL: 0, FOOD: 1, POISON: 2}
 MAX_SIDE = 256
 MAX_SEED = 2**32 - 1
 MAX_ENVS = 2**24
-
-
-def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    """Return ``value`` if it is an int in ``[low, high]``, else raise naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low or (high is not None and value > high):
-        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {allowed}, got {value}")
-    return value
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from ..policy import flops_per_sample
 from ..ppo import Batch
 from ..signals import signum_of
 from ..stages import STAGES, Pipeline, Stage, get_stage
-from ..timing import PHASES, lap_cost_s, time_calls
+from ..timing import PHASES, lap_cost_s, time_calls, timed
 from .syncmeter import SyncMeter
 
 PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -47,11 +47,8 @@ def matmul_peak_flops(device: torch.device, seconds: float = 1.0,
     synchronize(device)
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        synchronize(device)
-        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - start))
+        seconds, _ = timed(lambda: [a @ b for _ in range(4)], device)
+        best = max(best, 4 * 2 * n**3 / seconds)
     return {"peak_flops": best, "peak_dtype": str(dtype).removeprefix("torch."), "peak_n": n}
 
 
@@ -64,13 +61,12 @@ def _peak_memory(device: torch.device) -> tuple[float, str]:
 def timed_iteration(pipe: Pipeline, marked: bool) -> tuple[float, dict[str, float], dict]:
     """Seconds of one iteration (synchronized at both ends), its phases if ``marked``, and
     what the iteration returned."""
-    synchronize(pipe.device)
-    start = time.perf_counter()
-    if marked:
-        pipe.clock.start()
-    out = pipe.iteration()
-    synchronize(pipe.device)  # iteration boundary: the only sync the harness adds
-    elapsed = time.perf_counter() - start
+    def iteration() -> dict:
+        if marked:
+            pipe.clock.start()
+        return pipe.iteration()
+
+    elapsed, out = timed(iteration, pipe.device)  # its ends: the only syncs the harness adds
     return elapsed, (pipe.clock.stop() if marked else {}), out
 
 

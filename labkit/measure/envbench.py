@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -11,9 +10,11 @@ import torch
 from ..device import resolve_device, run_metadata, synchronize
 from ..envs.numpy import ForageNumpy
 from ..envs.python import ForagePy
-from ..envs.spec import N_ACTIONS, ForageSpec, check_int
+from ..envs.spec import N_ACTIONS, ForageSpec
 from ..envs.torch import ForageTorch
 from ..envs.torch_loop import ForageTorchLoop
+from ..timing import timed
+from ..validate import check_int
 
 IMPLS = ("ForagePy", "ForageNumpy", "ForageTorchLoop", "ForageTorch")
 
@@ -24,14 +25,11 @@ def _time(step: Callable[[int], None], steps: int, warmup: int, repeats: int,
     for i in range(warmup):
         step(i)
     synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    def repeat() -> None:
         for i in range(steps):
             step(i)
-        synchronize(device)  # the only sync: before reading the clock
-        times.append(time.perf_counter() - start)
-    return times
+
+    return [timed(repeat, device)[0] for _ in range(repeats)]
 
 
 def _runners(spec: ForageSpec, device: torch.device, sizes: dict[str, int], n_actions: int,
