@@ -129,6 +129,10 @@ def test_parts_recorded_one_by_one_merge_into_what_one_run_writes(tmp_path):
     _record(split, "ladder-4", run="again")
     d = json.loads((split / name).read_text())
     assert [r["run"] for r in d["ladder"]] == ["same", "again"] and _shape(d) == _shape(b)
+    # a run none of whose rows is left is no longer listed
+    _record(apart, "ladder,scaling", run="last")
+    e = json.loads((apart / name).read_text())
+    assert set(e["runs"]) == {"last"} and "come from" not in results_markdown(apart)
     log = json.loads((split / "record_log_cpu_tiny.json").read_text())["parts"]
     assert {k: v["status"] for k, v in log.items()} == dict.fromkeys(
         ("ladder-3", "ladder-4", "scaling-8"), "done")

@@ -321,6 +321,9 @@ class LadderFile:
         rows.append(row)
         rows.sort(key=lambda r: (r["stage"], r["n_envs"]))
         self.data[section] = rows
+        # a run whose every row was measured again is no longer where any row comes from
+        used = {r.get("run") for s in ("ladder", "scaling") for r in self.data[s]} | {self.run}
+        self.data["runs"] = {k: v for k, v in self.data["runs"].items() if k in used}
         self.write()
 
     @property
@@ -593,7 +596,8 @@ def _source(name: str, meta: dict) -> str:
 
 def runs_note(result: dict) -> str:
     """Which runs a ladder file's rows come from, and the rule for its ratios."""
-    runs = result.get("runs") or {}
+    used = {r.get("run") for s in ("ladder", "scaling") for r in result.get(s, [])}
+    runs = {k: v for k, v in (result.get("runs") or {}).items() if k in used}
     if len(runs) <= 1:
         return "x stage 0 and x prev divide rows measured in the same run."
     listed = "; ".join(
