@@ -375,3 +375,20 @@ def test_cli_usage_errors_exit_2_with_one_line(capsys, argv, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+def test_the_chapter_of_each_fix_comes_from_the_ladder():
+    """The chapter a finding points to is the chapter of the rung that replaces the component
+    (or last changes the slot): moving a rung moves the advice with it."""
+    from pathlib import Path
+
+    from labkit.doctor.checkup import _COMPONENT_FIX, _SLOT_FIX, CHAPTERS, MEASURE_FIRST
+
+    notebooks = {p.stem for p in (Path(__file__).parents[1] / "notebooks").glob("*.ipynb")}
+    assert {*CHAPTERS, MEASURE_FIRST} <= notebooks
+    for slot, stage in (("logger", "async_logging"), ("metrics", "gpu_metrics"),
+                        ("optimizer", "fused_amp"), ("env", "batched_ops"),
+                        ("rollout", "compile_warmup")):
+        assert _SLOT_FIX[slot][0] == CHAPTERS[get_stage(stage).index], slot
+    assert _COMPONENT_FIX["PerEnvCollector"][0] == CHAPTERS[get_stage("numpy_vec").index]
+    assert _COMPONENT_FIX["HostBatchedCollector"][0] == CHAPTERS[get_stage("torch_state").index]

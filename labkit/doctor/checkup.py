@@ -69,37 +69,60 @@ KINDS = ("host_read", "cpu_allocation", "memory_growth", "excess_ops", "recompil
 #: The sizes the doctor runs at unless given a RunConfig: small, it only counts.
 DOCTOR_RUN = dict(n_envs=16, n_steps=16)
 
-# Where each fix is taught: by component class (most specific), else by slot.
-_COMPONENT_FIX = {
-    "PerEnvCollector": ("02_vectorize_with_numpy",
-                        "one batched forward for all envs, actions sampled on the device"),
-    "ForagePyList": ("02_vectorize_with_numpy", "vectorized envs"),
-    "HostBatchedCollector": ("03_tensors_on_the_device",
-                             "keep the env on the device: no per-step transfers"),
-    "ForageTorchLoop": ("04_batch_everything", "one vectorized env step (torch.where, gathers) "
-                        "instead of per-env Python conditionals on device tensors"),
+#: The chapter that builds each rung of the ladder: stage i is taught in chapter i + 1.
+CHAPTERS = ("01_the_python_loop", "02_vectorize_with_numpy", "03_tensors_on_the_device",
+            "04_batch_everything", "05_log_off_the_hot_path", "06_compile_and_warm_up",
+            "07_metrics_on_the_device", "08_fused_optimizers_and_amp", "09_cuda_graphs")
+MEASURE_FIRST = "00_measure_first"
+
+
+def _ladder_fixes() -> tuple[dict[str, str], dict[str, str]]:
+    """Where the ladder (its rungs without graphs, what the doctor judges against) replaces
+    each component: the chapter of the first rung after the last one holding it; and for each
+    slot, the chapter of the last rung that changes it (a component the ladder never holds,
+    a plant, is fixed there)."""
+    ladder = [s for s in STAGES if without_graphs(s) is s]
+    by_component: dict[str, str] = {}
+    by_slot: dict[str, str] = {}
+    for prev, stage in zip(ladder, ladder[1:]):
+        for slot, part in stage.components().items():
+            old = prev.components()[slot]
+            if part != old:
+                by_component[getattr(old, "__name__", type(old).__name__)] = \
+                    CHAPTERS[stage.index]
+                by_slot[slot] = CHAPTERS[stage.index]
+    return by_component, by_slot
+
+
+# How each fix is done: by component class (most specific), else by slot; the chapter that
+# teaches it comes from the ladder (_ladder_fixes), or is named where the ladder has none.
+_COMPONENT_HOW = {
+    "PerEnvCollector": "one batched forward for all envs, actions sampled on the device",
+    "ForagePyList": "vectorized envs",
+    "HostBatchedCollector": "keep the env on the device: no per-step transfers",
+    "ForageTorchLoop": "one vectorized env step (torch.where, gathers) instead of per-env "
+                       "Python conditionals on device tensors",
 }
-_SLOT_FIX = {
-    "env": ("04_batch_everything", "a vectorized env step on the device, no per-env Python"),
-    "collector": ("03_tensors_on_the_device", "keep the step's tensors on the device"),
-    "logger": ("05_log_off_the_hot_path",
-               "log device tensors as they are; a background thread reads them (AsyncLogger)"),
-    "metrics": ("07_metrics_on_the_device",
-                "fixed-size accumulators on the device, read once per update "
-                "(DeviceEpisodeStats)"),
-    "optimizer": ("08_fused_optimizers_and_amp",
-                  "Adam(fused=True) with a device-tensor LR and a sync-free grad clip "
-                  "(FusedAdam)"),
-    "precision": ("08_fused_optimizers_and_amp",
-                  "bf16 autocast where the device has it (labkit.precision.Amp)"),
-    "model": ("06_compile_and_warm_up",
-              "no Python branches on tensor values in the model: each variant implements one "
-              "interface (labkit.policy's value heads), so compiled code runs straight through"),
-    "rollout": ("06_compile_and_warm_up", "compile the policy, warm up off the clock"),
-    "update": ("06_compile_and_warm_up", "compile the loss, warm up off the clock"),
-    "pipeline": ("00_measure_first", "measure the loop itself: the sync meter, the phases"),
-    "user code": ("00_measure_first", "measure your own code: the sync meter, the profiler"),
+_SLOT_HOW = {
+    "env": "a vectorized env step on the device, no per-env Python",
+    "collector": "keep the step's tensors on the device",
+    "logger": "log device tensors as they are; a background thread reads them (AsyncLogger)",
+    "metrics": "fixed-size accumulators on the device, read once per update "
+               "(DeviceEpisodeStats)",
+    "optimizer": "Adam(fused=True) with a device-tensor LR and a sync-free grad clip "
+                 "(FusedAdam)",
+    "precision": "bf16 autocast where the device has it (labkit.precision.Amp)",
+    "model": "no Python branches on tensor values in the model: each variant implements one "
+             "interface (labkit.policy's value heads), so compiled code runs straight through",
+    "rollout": "compile the policy, warm up off the clock",
+    "update": "compile the loss, warm up off the clock",
+    "pipeline": "measure the loop itself: the sync meter, the phases",
+    "user code": "measure your own code: the sync meter, the profiler",
 }
+#: Slots no rung changes: the model is the same network on every rung (chapter 06 is where
+#: its code must compile); the loop and the reader's code are measured first.
+_UNCHANGED_SLOT_CHAPTER = {"model": "06_compile_and_warm_up", "pipeline": MEASURE_FIRST,
+                           "user code": MEASURE_FIRST}
 _FINITE_CHECK = ("10_the_regression_hunt",
                  "keep finite-ness checks behind a debug switch (labkit.debug: zero kernels and "
                  "zero host reads when off)")
@@ -308,7 +331,7 @@ class _Parts:
 
     def fix(self, slot: str) -> tuple[str, str]:
         for cls in _classes(self.parts[slot]) if slot in self.parts else ():
-            if cls.__name__ in _COMPONENT_FIX:
+            if cls.__name__ in _COMPONENT_HOW:
                 return _COMPONENT_FIX[cls.__name__]
         return _SLOT_FIX[slot]
 
@@ -859,3 +882,9 @@ def _precision_findings(pipe: Pipeline, twin: Stage, parts: _Parts, phase_ms: di
         {"precision": pipe.precision.name, "clean_stage_precision": clean_precision,
          "device": str(pipe.device)},
         _cost("precision", phase_ms, it_ms), *_SLOT_FIX["precision"])]
+
+
+_BY_COMPONENT, _BY_SLOT = _ladder_fixes()
+_COMPONENT_FIX = {name: (_BY_COMPONENT[name], how) for name, how in _COMPONENT_HOW.items()}
+_SLOT_FIX = {slot: (_BY_SLOT.get(slot) or _UNCHANGED_SLOT_CHAPTER[slot], how)
+             for slot, how in _SLOT_HOW.items()}
