@@ -11,7 +11,7 @@ import torch
 from labkit.app import cli
 from labkit.config import RunConfig
 from labkit.doctor import KINDS, Finding, diagnose, plants, without_graphs
-from labkit.doctor.checkup import _Watch
+from labkit.doctor.meters import Watch
 from labkit.doctor.plants import PLANTS, plant
 from labkit.envs import ForageTorch
 from labkit.executors import Compiled, Eager, Graphed
@@ -138,7 +138,7 @@ def test_the_watch_counts_the_codes_own_clones_not_torchs():
     number changed between torch 2.11 and 2.13) are not the code's: only a clone called from
     labkit or user code counts."""
     x = torch.ones(3)
-    with _Watch(CPU) as w:
+    with Watch(CPU) as w:
         x.clone()
         copy.deepcopy(x)  # torch/_tensor.py clones inside
     (site,) = w.counts["clone"]
@@ -382,7 +382,7 @@ def test_the_chapter_of_each_fix_comes_from_the_ladder():
     (or last changes the slot): moving a rung moves the advice with it."""
     from pathlib import Path
 
-    from labkit.doctor.checkup import _COMPONENT_FIX, _SLOT_FIX, CHAPTERS, MEASURE_FIRST
+    from labkit.doctor.findings import _COMPONENT_FIX, _SLOT_FIX, CHAPTERS, MEASURE_FIRST
 
     notebooks = {p.stem for p in (Path(__file__).parents[1] / "notebooks").glob("*.ipynb")}
     assert {*CHAPTERS, MEASURE_FIRST} <= notebooks

@@ -634,7 +634,7 @@ def rehearse_stage(stage: Any, cfg: Any = None, iterations: int = 2) -> StageRep
     parameters after each update are bit-identical."""
     from ..config import RunConfig
     from ..stages import Pipeline, get_stage
-    from .checkup import without_graphs
+    from .findings import without_graphs
 
     stage = get_stage(stage)
     cfg = cfg if cfg is not None else RunConfig(n_envs=16, n_steps=16)

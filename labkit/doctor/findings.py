@@ -1,0 +1,459 @@
+"""How the doctor judges what it measured: which component a call site belongs to, what each
+finding costs, and the chapter that teaches its fix, derived from the ladder (the rung that
+replaces the component); :func:`without_graphs` is the clean stage it judges against."""
+from __future__ import annotations
+
+import inspect
+import re
+import statistics
+import traceback
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from .. import capture, policy, ppo, precision, stages, timing, update
+from ..config import RunConfig
+from ..executors import Graphed
+from ..measure.syncmeter import parse_site, short_path, source_line
+from ..stages import STAGES, Pipeline, Stage
+from .meters import TORCH_DIR, Measurements
+from .report import Finding, rate
+
+#: The chapter that builds each rung of the ladder: stage i is taught in chapter i + 1.
+CHAPTERS = ("01_the_python_loop", "02_vectorize_with_numpy", "03_tensors_on_the_device",
+            "04_batch_everything", "05_log_off_the_hot_path", "06_compile_and_warm_up",
+            "07_metrics_on_the_device", "08_fused_optimizers_and_amp", "09_cuda_graphs")
+
+
+MEASURE_FIRST = "00_measure_first"
+
+
+def _ladder_fixes() -> tuple[dict[str, str], dict[str, str]]:
+    """Where the ladder (its rungs without graphs, what the doctor judges against) replaces
+    each component: the chapter of the first rung after the last one holding it; and for each
+    slot, the chapter of the last rung that changes it (a component the ladder never holds,
+    a plant, is fixed there)."""
+    ladder = [s for s in STAGES if without_graphs(s) is s]
+    by_component: dict[str, str] = {}
+    by_slot: dict[str, str] = {}
+    for prev, stage in zip(ladder, ladder[1:]):
+        for slot, part in stage.components().items():
+            old = prev.components()[slot]
+            if part != old:
+                by_component[getattr(old, "__name__", type(old).__name__)] = \
+                    CHAPTERS[stage.index]
+                by_slot[slot] = CHAPTERS[stage.index]
+    return by_component, by_slot
+
+
+# How each fix is done: by component class (most specific), else by slot; the chapter that
+# teaches it comes from the ladder (_ladder_fixes), or is named where the ladder has none.
+_COMPONENT_HOW = {
+    "PerEnvCollector": "one batched forward for all envs, actions sampled on the device",
+    "ForagePyList": "vectorized envs",
+    "HostBatchedCollector": "keep the env on the device: no per-step transfers",
+    "ForageTorchLoop": "one vectorized env step (torch.where, gathers) instead of per-env "
+                       "Python conditionals on device tensors",
+}
+
+
+_SLOT_HOW = {
+    "env": "a vectorized env step on the device, no per-env Python",
+    "collector": "keep the step's tensors on the device",
+    "logger": "log device tensors as they are; a background thread reads them (AsyncLogger)",
+    "metrics": "fixed-size accumulators on the device, read once per update "
+               "(DeviceEpisodeStats)",
+    "optimizer": "Adam(fused=True) with a device-tensor LR and a sync-free grad clip "
+                 "(FusedAdam)",
+    "precision": "bf16 autocast where the device has it (labkit.precision.Amp)",
+    "model": "no Python branches on tensor values in the model: each variant implements one "
+             "interface (labkit.policy's value heads), so compiled code runs straight through",
+    "rollout": "compile the policy, warm up off the clock",
+    "update": "compile the loss, warm up off the clock",
+    "pipeline": "measure the loop itself: the sync meter, the phases",
+    "user code": "measure your own code: the sync meter, the profiler",
+}
+
+
+#: Slots no rung changes: the model is the same network on every rung (chapter 06 is where
+#: its code must compile); the loop and the reader's code are measured first.
+_UNCHANGED_SLOT_CHAPTER = {"model": "06_compile_and_warm_up", "pipeline": MEASURE_FIRST,
+                           "user code": MEASURE_FIRST}
+
+
+_FINITE_CHECK = ("10_the_regression_hunt",
+                 "keep finite-ness checks behind a debug switch (labkit.debug: zero kernels and "
+                 "zero host reads when off)")
+
+
+_COMPILE_FIX = ("06_compile_and_warm_up",
+                "no Python branches on tensors or on changing Python values in compiled code: "
+                "give each variant one interface (labkit.policy's value heads)")
+
+
+_CAPTURE_FIX = ("09_cuda_graphs",
+                "a captured step must not read the host, make CPU tensors or run an unfused "
+                "optimizer: diagnose the stage without graphs (without_graphs) to find them")
+
+
+_ERROR_FIX = ("00_measure_first", "fix the error at the last frame of user_code, then diagnose "
+                                  "again")
+
+
+_CPU_ALLOC_FIX = ("03_tensors_on_the_device",
+                  "create tensors on the device: torch.zeros(..., device=x.device), or "
+                  "zeros_like / new_zeros of a device tensor, once, outside the loop")
+
+
+_COPIES_FIX = "update state in place; clone only what a later in-place write would change"
+
+
+_MODEL_WORK_FIX = ("00_measure_first",
+                   "compute shared work once and reuse it (the reference Agent runs its body "
+                   "once for both heads); count model ops per step with the profiler")
+
+
+_NO_COST = {"phases": [], "ms_per_iteration": None, "share": None}
+
+
+#: Which phases of the pipeline's clock a component's work lands in.
+_SLOT_PHASES = {
+    "env": ("env",), "collector": ("policy", "env"), "model": ("policy", "update"),
+    "logger": ("io",), "metrics": ("metrics",), "optimizer": ("update",),
+    "precision": ("update",), "rollout": ("policy", "graph"), "update": ("update",),
+    "pipeline": ("io", "gae"), "user code": ("policy", "env", "io", "metrics", "update"),
+}
+
+
+_MODULE_SLOT = {short_path(module.__file__): slot for module, slot in (
+    (ppo, "update"), (policy, "model"), (stages, "pipeline"), (capture, "pipeline"),
+    (update, "update"), (precision, "precision"), (timing, "pipeline"))}
+
+
+#: (ops, label) compared with the clean stage for ``excess_ops``.
+_EXCESS = ((("clone",), "clones"),
+           (("convolution", "linear", "matmul"), "model work (convolutions, linear layers, "
+                                                 "matmuls)"))
+
+
+_USER_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+
+def _classes(part: Any) -> list:
+    """The labkit-or-user classes (or the function) behind a component, most derived first."""
+    if inspect.isfunction(part):
+        return [part]
+    cls = part if inspect.isclass(part) else type(part)
+    return [c for c in cls.__mro__ if not c.__module__.startswith(("torch", "builtins"))
+            and c is not object]
+
+
+class Parts:
+    """Where each component's code lives, to say which component a call site belongs to."""
+
+    def __init__(self, stage: Stage, agent: torch.nn.Module | None = None) -> None:
+        self.parts = {slot: part for slot, part in stage.components().items()}
+        self.ranges: list[tuple[str, str, int, int]] = []
+        self.files: dict[str, set[str]] = defaultdict(set)
+        extra = {"model": [type(agent.value_head)] if agent is not None else []}
+        for slot, part in self.parts.items():
+            for obj in _classes(part) + extra.get(slot, []):
+                try:
+                    lines, first = inspect.getsourcelines(obj)
+                    path = short_path(inspect.getsourcefile(obj))
+                except (OSError, TypeError):
+                    continue
+                self.ranges.append((slot, path, first, first + len(lines) - 1))
+                self.files[path].add(slot)
+
+    def slot_of(self, file: str, line: int, via: str | None) -> str:
+        via = via or ""
+        if "torch/optim/" in via or "clip_grad" in via:
+            return "optimizer"
+        if "torch/amp/" in via:
+            return "precision"
+        hits = [(last - first, slot) for slot, path, first, last in self.ranges
+                if path == file and first <= line <= last]
+        if hits:
+            return min(hits)[1]
+        if len(self.files.get(file, ())) == 1:
+            return next(iter(self.files[file]))
+        return _MODULE_SLOT.get(file, "user code")
+
+    def site_slot(self, site: str) -> str:
+        file, line, _, via = parse_site(site) or (site, 0, "", None)
+        return self.slot_of(file, line, via)
+
+    def describe(self, slot: str) -> str:
+        if slot in self.parts:
+            part = self.parts[slot]
+            return f"the {slot} ({getattr(part, '__name__', None) or type(part).__name__})"
+        return "the pipeline loop" if slot == "pipeline" else "user code"
+
+    def fix(self, slot: str) -> tuple[str, str]:
+        for cls in _classes(self.parts[slot]) if slot in self.parts else ():
+            if cls.__name__ in _COMPONENT_HOW:
+                return _COMPONENT_FIX[cls.__name__]
+        return _SLOT_FIX[slot]
+
+
+def _site_text(site: str) -> str:
+    parsed = parse_site(site)
+    return source_line(*parsed[:2]) if parsed else ""
+
+
+def is_deliberate(site: str) -> bool:
+    """Made by the code itself (not ``via`` a torch frame), on a line whose comment says so."""
+    text = _site_text(site)
+    return " via " not in site and "#" in text and "deliberate" in text.split("#", 1)[1].lower()
+
+
+def _cost(slot: str, phase_ms: dict, iteration_ms: float | None) -> dict:
+    phases = [p for p in _SLOT_PHASES.get(slot, ()) if p in phase_ms]
+    if not phases or not iteration_ms:
+        return {"phases": phases, "ms_per_iteration": None, "share": None}
+    ms = sum(phase_ms[p] for p in phases)
+    return {"phases": phases, "ms_per_iteration": round(ms, 3),
+            "share": round(min(ms / iteration_ms, 1.0), 3)}
+
+
+def _dynamo_reasons(before: dict, parts: Parts) -> tuple[list[str], str]:
+    """Dynamo's reasons for the recompiles since ``before``, and the slot of the first
+    recompiled function."""
+    from torch._dynamo.utils import guard_failures
+    out, slot = [], None
+    for code, reasons in guard_failures.items():
+        for reason in reasons[before.get(code, 0):]:
+            file = short_path(code.co_filename)
+            slot = slot or parts.slot_of(file, code.co_firstlineno, None)
+            out.append(f"{code.co_name} ({file}:{code.co_firstlineno}) recompiled: "
+                       + reason.split("\n", 1)[0])
+    return out, slot or "update"
+
+
+def _group_sites(sites_roll: Counter, sites_learn: Counter, n_steps: int, parts: Parts,
+                 accept: Callable[[str, int], bool] = lambda site, n: False
+                 ) -> tuple[dict, dict]:
+    """{slot: [site rows]} for the sites not accepted, and {site: count} accepted."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    accepted = {}
+    for site in sorted(set(sites_roll) | set(sites_learn)):
+        r, u = sites_roll.get(site, 0), sites_learn.get(site, 0)
+        if accept(site, r + u):
+            accepted[site] = r + u
+            continue
+        groups[parts.site_slot(site)].append(
+            {"site": site, "per_step": round(r / n_steps, 3), "per_update": u})
+    for rows in groups.values():
+        rows.sort(key=lambda s: -(s["per_step"] * n_steps + s["per_update"]))
+    return groups, accepted
+
+
+ALLOCATIONS = {"no_device": "tensor factory without device=",
+                "cpu_tensor": "CPU tensor made on a CUDA run",
+                "host_to_device": "host-to-device copy"}
+
+
+def site_findings(kind: str, sites: dict[str, tuple[Counter, Counter]], cfg: RunConfig,
+                   parts: Parts, phase_ms: dict, it_ms: float | None,
+                   accept: Callable[[str, int], bool] = lambda site, n: False
+                   ) -> tuple[list[Finding], dict]:
+    """One finding per slot of the call sites in ``sites`` ({what: (rollout sites, learn
+    sites)}; ``what`` labels each row when there are several), and the sites accepted."""
+    by_slot: dict[str, list[dict]] = defaultdict(list)
+    accepted = {}
+    for what, (roll, learn) in sites.items():
+        groups, ok = _group_sites(roll, learn, cfg.n_steps, parts, accept)
+        accepted.update(ok)
+        for slot, rows in groups.items():
+            by_slot[slot] += [{**row, "what": what} for row in rows] if len(sites) > 1 else rows
+    findings = []
+    for slot, rows in by_slot.items():
+        per_step = round(sum(r["per_step"] for r in rows), 3)
+        per_update = sum(r["per_update"] for r in rows)
+        if kind == "host_read":
+            chapter, fix = parts.fix(slot)
+            if any(re.search(r"\bis(nan|inf|finite)\b", _site_text(r["site"])) for r in rows):
+                chapter, fix = _FINITE_CHECK
+            what = []
+            if per_step:
+                what.append(f"{per_step:g} host read{'s' if per_step != 1 else ''} per rollout "
+                            "step" + (" (a per-element loop: N or more)"
+                                      if per_step >= cfg.n_envs else ""))
+            if per_update:
+                what.append(f"{per_update} per update" if per_step else
+                            f"{per_update} host read{'s' if per_update != 1 else ''} per update")
+            summary = ", ".join(what)
+        else:
+            chapter, fix = _CPU_ALLOC_FIX
+            summary = f"{' and '.join(sorted({r['what'] for r in rows}))}: " \
+                      f"{rate(per_step, per_update)}"
+        findings.append(Finding(
+            kind, parts.describe(slot), summary,
+            {"per_step": per_step, "per_update": per_update, "sites": rows},
+            _cost(slot, phase_ms, it_ms), chapter, fix))
+    return findings, accepted
+
+
+def memory_findings(snaps: list[dict], parts: Parts, phase_ms: dict, it_ms: float | None
+                     ) -> list[Finding]:
+    if len(snaps) < 3:
+        return []
+    findings = []
+    rss = [round(s["rss_mb"], 1) for s in snaps if s["rss_mb"] is not None]
+    for key in snaps[0]["held"]:
+        counts = [s["held"].get(key, (0, 0))[0] for s in snaps]
+        sizes = [s["held"].get(key, (0, 0))[1] for s in snaps]
+        deltas = [b - a for a, b in zip(counts, counts[1:])]
+        if min(deltas) <= 0:
+            continue
+        slot, attr = key.split(".", 1)
+        chapter, fix = parts.fix(slot)
+        per_it = statistics.median(deltas)
+        bytes_it = statistics.median(b - a for a, b in zip(sizes, sizes[1:]))
+        findings.append(Finding(
+            "memory_growth", parts.describe(slot),
+            f"`{attr}` holds {per_it:g} more tensors ({bytes_it / 1024:.1f} KiB) after every "
+            "iteration, without bound",
+            {"attribute": attr, "tensors_per_iteration": per_it,
+             "bytes_per_iteration": bytes_it, "held_tensors": counts,
+             "live_tensors": [s["live_tensors"] for s in snaps], "rss_mb": rss},
+            _cost(slot, phase_ms, it_ms), chapter,
+            fix + "; keep a bounded window (a fixed-size buffer, deque(maxlen=...)) or "
+                  "aggregates, never every step"))
+    live = [s["live_tensors"] for s in snaps]
+    if not findings and min(b - a for a, b in zip(live, live[1:])) > 0:
+        findings.append(Finding(
+            "memory_growth", "an unknown owner",
+            f"{statistics.median(b - a for a, b in zip(live, live[1:])):g} more live tensors "
+            "after every iteration", {"live_tensors": live, "rss_mb": rss}, _NO_COST,
+            "00_measure_first",
+            "find who keeps them: gc.get_referrers on a new tensor; bound every buffer"))
+    return findings
+
+
+def excess_findings(watch: tuple[dict, dict], base: tuple[dict, dict], cfg: RunConfig,
+                     parts: Parts, phase_ms: dict, it_ms: float | None) -> list[Finding]:
+    """``excess_ops``: the watched iteration's clones and model work against the clean
+    stage's, per rollout step and per minibatch step."""
+    n_steps = cfg.n_steps
+    n_mb = cfg.ppo.update_epochs * cfg.ppo.n_minibatches
+    findings = []
+    for names, label in _EXCESS:
+        excess = {}
+        for where, mine, clean, unit, per in (("rollout", watch[0], base[0], "per step", n_steps),
+                                              ("update", watch[1], base[1], "per minibatch",
+                                               n_mb)):
+            for op in names:
+                a = sum(mine.get(op, Counter()).values())
+                b = sum(clean.get(op, Counter()).values())
+                if (a - b) / per >= 1 and a >= 1.2 * b:
+                    excess[f"{op} {unit} ({where})"] = {"this stage": round(a / per, 2),
+                                                        "clean stage": round(b / per, 2)}
+        if not excess:
+            continue
+        groups, _ = _group_sites(sum((watch[0].get(op, Counter()) for op in names), Counter()),
+                                 sum((watch[1].get(op, Counter()) for op in names), Counter()),
+                                 n_steps, parts)
+        rows = sorted((r for rs in groups.values() for r in rs),
+                      key=lambda r: -(r["per_step"] * n_steps + r["per_update"]))
+        slot = next((s for s, rs in groups.items() if rows and rows[0] in rs), "user code")
+        if names == ("clone",):
+            chapter, fix = parts.fix(slot)[0], _COPIES_FIX
+        else:
+            chapter, fix = _MODEL_WORK_FIX
+        first = next(iter(excess.items()))
+        findings.append(Finding(
+            "excess_ops", parts.describe(slot),
+            f"more {label} than the clean stage: {first[0]} {first[1]['this stage']:g} "
+            f"vs {first[1]['clean stage']:g}",
+            {"ops": excess, "sites": rows[:6]}, _cost(slot, phase_ms, it_ms), chapter, fix))
+    return findings
+
+
+def error_finding(err: Exception, parts: Parts, phase: str) -> Finding:
+    """The stage raised while the doctor ran it: a compiled step that dynamo could not trace
+    (``fullgraph=True`` makes a graph break, or hitting the recompile limit, an error; the
+    reason and the user code it was tracing are in dynamo's message), or anything else (a
+    CUDA graph capture error, say: the labkit-or-user frames of the traceback)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    text = str(err)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    first = lines[0] if lines else type(err).__name__
+    explanation = next((ln.split(":", 1)[1].strip() for ln in lines
+                        if ln.startswith("Explanation:")), "")
+    if isinstance(err, TorchDynamoException):
+        found = [(m["file"], m["line"], m["func"])
+                 for m in _USER_FRAME.finditer(text.split("from user code:", 1)[-1])]
+        kind = "recompile" if "recompile" in type(err).__name__.lower() else "graph_break"
+        summary, fix = f"the compiled code raised in {phase}: {first}", _COMPILE_FIX
+    else:
+        found = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(err.__traceback__)
+                 if f.filename != __file__]
+        kind, summary = "error", f"the stage raised in {phase}: {type(err).__name__}: {first}"
+        fix = _CAPTURE_FIX if "captur" in text.lower() else _ERROR_FIX
+        explanation = explanation or f"{type(err).__name__}: {first}"
+    frames = [f"{short_path(file)}:{line} ({func})" for file, line, func in found
+              if not file.startswith(TORCH_DIR)]
+    slot = parts.site_slot(frames[-1]) if frames else "update"
+    return Finding(kind, parts.describe(slot), summary,
+                   {"error": type(err).__name__, "message": first, "explanation": explanation,
+                    "user_code": frames}, _NO_COST, *fix)
+
+
+def without_graphs(stage: Stage) -> Stage:
+    """``stage`` with each :class:`~labkit.executors.Graphed` executor replaced by its ``base``
+    (``stage`` itself if it has none): a CUDA graph replays exactly the ops of the eager step
+    it captured, so this runs the same work, with every op, read and tensor visible."""
+    swaps = {slot: ex.base for slot, ex in (("rollout", stage.rollout), ("update", stage.update))
+             if isinstance(ex, Graphed)}
+    return replace(stage, **swaps) if swaps else stage
+
+
+def compile_findings(m: Measurements, parts: Parts, phase_ms: dict, it_ms: float,
+                      iterations: int) -> list[Finding]:
+    """Graphs compiled, and graph breaks, after the warmup."""
+    findings = []
+    if m.new_graphs:
+        reasons, slot = _dynamo_reasons(m.reasons_before, parts)
+        findings.append(Finding(
+            "recompile", parts.describe(slot),
+            f"{m.new_graphs} graph{'s' if m.new_graphs > 1 else ''} compiled after warmup, in "
+            f"{iterations + 1} iterations",
+            {"graphs_after_warmup": m.new_graphs, "reasons": reasons},
+            _cost(slot, phase_ms, it_ms), *_COMPILE_FIX))
+    if m.breaks:
+        findings.append(Finding(
+            "graph_break", "the compiled code",
+            f"{sum(m.breaks.values())} graph breaks after warmup",
+            {"reasons": [f"{n} x {r}" for r, n in m.breaks.most_common()]},
+            _cost("model", phase_ms, it_ms), *_COMPILE_FIX))
+    return findings
+
+
+def precision_findings(pipe: Pipeline, twin: Stage, parts: Parts, phase_ms: dict,
+                        it_ms: float) -> list[Finding]:
+    """fp32 where the clean stage runs reduced precision on this device."""
+    clean_precision = twin.precision(pipe.device).name
+    if pipe.precision.name != "fp32" or clean_precision == "fp32":
+        return []
+    return [Finding(
+        "precision", parts.describe("precision"),
+        f"the update runs in fp32; on this device the clean stage runs {clean_precision}",
+        {"precision": pipe.precision.name, "clean_stage_precision": clean_precision,
+         "device": str(pipe.device)},
+        _cost("precision", phase_ms, it_ms), *_SLOT_FIX["precision"])]
+
+
+_BY_COMPONENT, _BY_SLOT = _ladder_fixes()
+
+
+_COMPONENT_FIX = {name: (_BY_COMPONENT[name], how) for name, how in _COMPONENT_HOW.items()}
+
+
+_SLOT_FIX = {slot: (_BY_SLOT.get(slot) or _UNCHANGED_SLOT_CHAPTER[slot], how)
+             for slot, how in _SLOT_HOW.items()}

@@ -1,0 +1,187 @@
+"""What the doctor measures besides time: calls by site under a function watch (tensor
+factories, copies, clones, the model's layers), host reads by call site, memory held and alive,
+and dynamo's counters; :class:`Measurements` holds one diagnosis' worth."""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode, resolve_name
+
+from ..device import synchronize
+from ..measure.syncmeter import SyncMeter, call_site
+from ..stages import Pipeline
+
+_FACTORIES = {f"torch.{n}" for n in (
+    "zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "linspace", "logspace",
+    "eye", "rand", "randn", "randint", "randperm", "empty_strided", "scalar_tensor")}
+
+
+_MOVES = {"torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.copy_"}
+
+
+_CLONES = {"torch.Tensor.clone", "torch.clone"}
+
+
+#: Model work by the name the doctor counts it under.
+_LAYERS = {"torch.conv2d": "convolution", "torch.nn.functional.conv2d": "convolution",
+           "torch._C._nn.linear": "linear", "torch.nn.functional.linear": "linear",
+           "torch.matmul": "matmul", "torch.mm": "matmul", "torch.bmm": "matmul",
+           "torch.Tensor.__matmul__": "matmul", "torch.Tensor.matmul": "matmul"}
+
+
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+class Watch(TorchFunctionMode):
+    """Counts, by call site: tensor factories that leave the device out (or, on CUDA, make CPU
+    tensors), host-to-device copies, clones made by labkit or user code (not those torch makes
+    inside its own functions), and the model's layers and matmuls (under ``convolution``,
+    ``linear`` and ``matmul``: a layer's call site is the line that called the module)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.cuda = device.type == "cuda"
+        self.counts: dict[str, Counter] = defaultdict(Counter)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = resolve_name(func) or ""
+        if name in _FACTORIES:
+            self._factory(name, args, kwargs, out)
+        elif name in _MOVES and self.cuda:
+            src, dst = (args[1], args[0]) if name == "torch.Tensor.copy_" else (args[0], out)
+            if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) \
+                    and src.device.type == "cpu" and dst.device.type == "cuda":
+                self.counts["host_to_device"][call_site(1)] += 1
+        elif name in _CLONES:
+            site = call_site(1)
+            if " via " not in site:  # a clone inside torch's own code is not the code's
+                self.counts["clone"][site] += 1
+        elif name in _LAYERS:
+            self.counts[_LAYERS[name]][call_site(1)] += 1
+        return out
+
+    def _factory(self, name: str, args: tuple, kwargs: dict, out: object) -> None:
+        caller = sys._getframe(2)
+        if caller.f_code.co_filename.startswith(TORCH_DIR) or kwargs.get("pin_memory"):
+            return  # torch's own internals; a pinned buffer is host memory on purpose
+        if name in ("torch.tensor", "torch.as_tensor") and args \
+                and isinstance(args[0], torch.Tensor):
+            return  # keeps its input's device
+        site = call_site(2)
+        if not self.cuda:
+            if "device" not in kwargs:
+                self.counts["no_device"][site] += 1
+        elif isinstance(out, torch.Tensor):
+            if out.device.type == "cpu":
+                self.counts["cpu_tensor"][site] += 1
+            elif name in ("torch.tensor", "torch.as_tensor"):
+                self.counts["host_to_device"][site] += 1  # Python data copied to the GPU
+
+
+def watched(pipe: Pipeline) -> tuple[dict, dict]:
+    """One iteration run eagerly under :class:`Watch`: (rollout counts, learn counts)."""
+    with torch.compiler.set_stance("force_eager"):
+        with Watch(pipe.device) as w_roll:
+            batch = pipe.rollout()
+        with Watch(pipe.device) as w_learn:
+            pipe.learn(batch)
+    synchronize(pipe.device)
+    return w_roll.counts, w_learn.counts
+
+
+def metered(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter]:
+    """One iteration under the sync meter, with call sites: (rollout meter, learn meter)."""
+    with SyncMeter(call_sites=True) as m_roll:
+        batch = pipe.rollout()
+    synchronize(pipe.device)
+    with SyncMeter(call_sites=True) as m_learn:
+        pipe.learn(batch)
+    synchronize(pipe.device)
+    return m_roll, m_learn
+
+
+_CONTAINERS = (list, tuple, dict, deque, set)
+
+
+def _held(obj: Any, depth: int = 3, seen: set | None = None) -> tuple[int, int]:
+    """(tensors, bytes) reachable from ``obj`` through containers and labkit objects."""
+    seen = seen if seen is not None else set()
+    if id(obj) in seen or depth < 0:
+        return 0, 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return 1, obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, _CONTAINERS):
+        items = list(obj)
+    elif type(obj).__module__.startswith("labkit") and hasattr(obj, "__dict__"):
+        items = list(vars(obj).values())
+    else:
+        return 0, 0
+    n = b = 0
+    for item in items:
+        dn, db = _held(item, depth - 1, seen)
+        n, b = n + dn, b + db
+    return n, b
+
+
+def memory_snapshot(pipe: Pipeline) -> dict:
+    """Memory at an iteration boundary: live tensors, those each component attribute holds,
+    RSS, CUDA allocated."""
+    flush = getattr(pipe.logger, "flush", None)
+    if flush:
+        flush()
+    live = sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+    parts = {"env": pipe.collector.env, "collector": pipe.collector, "metrics": pipe.metrics,
+             "logger": pipe.logger, "model": pipe.agent}
+    skip = {id(p) for p in parts.values()} | {id(pipe.collector.clock)}
+    held = {f"{slot}.{attr}": _held(value, seen=set(skip))
+            for slot, obj in parts.items() for attr, value in vars(obj).items()
+            if id(value) not in skip and not attr.startswith("_modules")}
+    snap = {"live_tensors": live, "held": held, "rss_mb": _rss_mb()}
+    if pipe.device.type == "cuda":
+        snap["cuda_mb"] = torch.cuda.memory_allocated(pipe.device) / 2**20
+    return snap
+
+
+def _rss_mb() -> float | None:
+    try:
+        import psutil
+    except ImportError:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        except OSError:
+            return None
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def dynamo_state() -> tuple[int, Counter, dict]:
+    from torch._dynamo.utils import counters, guard_failures
+    return (counters["stats"]["unique_graphs"], Counter(counters["graph_break"]),
+            {code: len(reasons) for code, reasons in guard_failures.items()})
+
+
+@dataclass
+class Measurements:
+    """What one diagnosis measured: the timed iterations' seconds and phases, memory after
+    each step, the metered iteration's host reads (rollout, learn), the function watch, and
+    dynamo's counts before and after."""
+
+    times: list[float]
+    phases: list[dict]
+    snaps: list[dict]
+    reads: tuple[SyncMeter, SyncMeter]
+    watch: tuple[dict, dict]
+    new_graphs: int
+    breaks: Counter
+    reasons_before: dict
