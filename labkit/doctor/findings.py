@@ -40,12 +40,12 @@ def _ladder_fixes() -> tuple[dict[str, str], dict[str, str]]:
     by_component: dict[str, str] = {}
     by_slot: dict[str, str] = {}
     for prev, stage in zip(ladder, ladder[1:]):
+        chapter = CHAPTERS[stage.index]
         for slot, part in stage.components().items():
             old = prev.components()[slot]
             if part != old:
-                by_component[getattr(old, "__name__", type(old).__name__)] = \
-                    CHAPTERS[stage.index]
-                by_slot[slot] = CHAPTERS[stage.index]
+                by_component[getattr(old, "__name__", type(old).__name__)] = chapter
+                by_slot[slot] = chapter
     return by_component, by_slot
 
 
