@@ -59,7 +59,6 @@ rehearse --stage NAME`` do it for a ladder stage, against the same stage without
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -70,7 +69,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..measure.syncmeter import SyncMeter, call_site
+from ..measure.syncmeter import SyncMeter, call_site, wraps_method
 
 _TAGS = {torch.Tag.data_dependent_output: "data_dependent",
          torch.Tag.dynamic_output_shape: "dynamic_shape"}
@@ -319,8 +318,8 @@ class _HostMade(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        while hasattr(func, "__wrapped__"):  # torch's own method, not the sync meter's
-            func = func.__wrapped__          # wrapper around it: one read counts once
+        while hasattr(func, "labkit_original"):  # torch's method, not labkit's wrapper of it:
+            func = func.labkit_original          # one read counts once
         out = func(*args, **kwargs)
         if func in _CONSTRUCTORS and kwargs.get("device") is None \
                 and isinstance(out, torch.Tensor):
@@ -494,7 +493,7 @@ def _read_flag(owner: rehearsal) -> Iterator[None]:
     originals = {n: getattr(torch.Tensor, n) for n in names}
 
     def wrap(fn: Callable) -> Callable:
-        @functools.wraps(fn)
+        @wraps_method(fn)
         def read(self, *args, **kwargs):
             outer = owner.in_read
             owner.in_read = True

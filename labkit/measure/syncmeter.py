@@ -107,8 +107,19 @@ def _count(name: str, cpu_tensor: bool = False) -> None:
                 meter.sites[call_site()] += 1
 
 
+def wraps_method(fn):
+    """``functools.wraps`` for labkit's wrappers around a ``torch.Tensor`` method (the sync
+    meter's, the rehearsal's): ``labkit_original`` is the method wrapped, so that a torch
+    function mode can call torch's own and leave every other decorator alone."""
+    def decorate(wrapper):
+        wrapper = functools.wraps(fn)(wrapper)
+        wrapper.labkit_original = fn
+        return wrapper
+    return decorate
+
+
 def _wrap(name: str, fn):
-    @functools.wraps(fn)
+    @wraps_method(fn)
     def wrapper(self, *args, **kwargs):
         _count(name)
         return fn(self, *args, **kwargs)
@@ -116,7 +127,7 @@ def _wrap(name: str, fn):
 
 
 def _copy_wrapper(fn):
-    @functools.wraps(fn)
+    @wraps_method(fn)
     def copy_(self, src, non_blocking=False):
         # Device -> host: it waits, unless non_blocking into pinned memory (which may not).
         if (self.device.type == "cpu" and isinstance(src, torch.Tensor)
@@ -127,7 +138,7 @@ def _copy_wrapper(fn):
 
 
 def _to_wrapper(fn):
-    @functools.wraps(fn)
+    @wraps_method(fn)
     def to(self, *args, **kwargs):
         if self.device.type != "cpu":  # ``x.to("cpu")`` of a device tensor is a D2H copy
             device = torch._C._nn._parse_to(*args, **kwargs)[0]
