@@ -164,13 +164,15 @@ def available_memory(device) -> int | None:
         return None
 
 
-def check_memory(run: RunConfig, device) -> None:
-    """Refuse, before allocating anything, a run that cannot fit in ``device``'s free memory."""
+def memory_shortfall(run: RunConfig, device) -> str | None:
+    """Why ``run`` cannot fit in ``device``'s free memory (None if it can or if free memory is
+    unknown), judged before anything is allocated."""
     need, free = memory_estimate(run), available_memory(device)
-    if free is not None and need > free:
-        raise ValueError(f"n_envs={run.n_envs} x n_steps={run.n_steps} needs about "
-                         f"{need / 2**30:.1f} GiB on {device}, and {free / 2**30:.1f} GiB is "
-                         "free; use fewer envs or a shorter rollout")
+    if free is None or need <= free:
+        return None
+    return (f"n_envs={run.n_envs} x n_steps={run.n_steps} needs about {need / 2**30:.1f} GiB "
+            f"on {device}, and {free / 2**30:.1f} GiB is free; use fewer envs or a shorter "
+            "rollout")
 
 
 def split_run_fields(kwargs: dict) -> tuple[dict, dict]:

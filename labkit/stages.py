@@ -18,6 +18,8 @@ slot                  what it decides
 
 Nothing outside a component asks which stage it is in; a component that needs something of the
 device (CUDA, bf16) says so in ``requires``, and a stage's ``skip_reason`` is derived from that.
+``Stage.check`` is the one refusal path: it raises ``StageSkipped`` for a device the stage cannot
+run on or a run that does not fit, and every command, the pipeline and the harness call it.
 ``Pipeline`` assembles a stage into one training iteration (rollout of T steps x N envs, GAE,
 PPO update) and owns its whole state. Every stage runs the same Forage dynamics and PPO math.
 """
@@ -33,7 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from .capture import clone_state, load_optimizer_state_
-from .config import RunConfig, check_memory
+from .config import RunConfig, memory_shortfall
 from .device import has_bf16, resolve_device
 from .distributed import SINGLE, Group
 from .envs import ForageNumpy, ForagePyList, ForageTorch, ForageTorchLoop
@@ -99,6 +101,16 @@ class Stage:
                 if not available(device):
                     return reason
         return None
+
+    def check(self, device: torch.device, run: RunConfig | None = None) -> None:
+        """Raise ``StageSkipped`` if this stage cannot run on ``device`` (``skip_reason``) or
+        ``run`` does not fit in its free memory; nothing is allocated either way."""
+        reason = self.skip_reason(device)
+        if reason:
+            raise StageSkipped(self.name, device, reason, cause="device")
+        reason = memory_shortfall(run, device) if run is not None else None
+        if reason:
+            raise StageSkipped(self.name, device, reason, cause="memory")
 
     @property
     def scales(self) -> bool:
@@ -182,8 +194,19 @@ class PipelineState:
         return {k: getattr(self, k) for k in self.PER_RANK}
 
 
-class StageSkipped(RuntimeError):
-    """Raised when a stage cannot run on the requested device."""
+class StageSkipped(ValueError):
+    """A stage refused before anything is built, by ``Stage.check``: ``cause`` is "device" (the
+    device lacks what a component requires, or the collector cannot step the env) or "memory"
+    (the run does not fit); ``reason`` says which in words. A ValueError, so the CLI prints it
+    as one line and exits 2. A harness records a "device" refusal as ``skipped: <reason>``; a
+    "memory" one is the caller's choice of size, and it stops the run before it starts."""
+
+    def __init__(self, stage: str, device, reason: str, cause: str = "device") -> None:
+        super().__init__(f"stage {stage!r} cannot run on {device}: {reason}")
+        self.stage, self.device, self.reason, self.cause = stage, str(device), reason, cause
+
+    def __reduce__(self):  # picklable across processes despite the extra arguments
+        return type(self), (self.stage, self.device, self.reason, self.cause)
 
 
 class Pipeline:
@@ -208,10 +231,7 @@ class Pipeline:
         if not isinstance(cfg, RunConfig):
             raise TypeError(f"cfg must be a RunConfig, got {type(cfg).__name__}")
         self.device = device = resolve_device(device)
-        reason = stage.skip_reason(device)
-        if reason:
-            raise StageSkipped(f"{stage.name}: {reason}")
-        check_memory(cfg, device)
+        stage.check(device, cfg)
         self.ppo = cfg.ppo
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)

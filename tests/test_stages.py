@@ -93,6 +93,25 @@ def test_skip_reasons_come_from_the_components():
     assert [s.name for s in STAGES if s.scales] == [s.name for s in STAGES[3:]]
 
 
+def test_one_refusal_path_for_device_and_memory():
+    """``Stage.check`` is the one refusal: a device the stage cannot use and a run that cannot
+    fit both raise StageSkipped (a ValueError, so the CLI prints one line), with its cause; it
+    pickles (torchrun and record pass errors between processes)."""
+    import pickle
+
+    with pytest.raises(StageSkipped) as err:
+        STAGES[8].check(CPU, RUN)
+    assert (err.value.cause, err.value.reason) == ("device", "needs CUDA")
+    assert isinstance(err.value, ValueError) and "'cuda_graphs' cannot run on cpu" in str(err.value)
+    huge = RunConfig(n_envs=2**24, n_steps=32)
+    with pytest.raises(StageSkipped, match="needs about .* GiB on cpu") as err:
+        STAGES[3].check(CPU, huge)
+    assert err.value.cause == "memory"
+    copy = pickle.loads(pickle.dumps(err.value))
+    assert (str(copy), copy.cause, copy.reason) == (str(err.value), "memory", err.value.reason)
+    assert STAGES[3].check(CPU, RUN) is None
+
+
 def test_get_stage_errors_name_the_allowed_values():
     assert get_stage(3).name == get_stage("batched_ops").name == get_stage("3").name
     assert get_stage(STAGES[4]) is STAGES[4]

@@ -274,9 +274,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     cfg = RunConfig(n_envs=args.n_envs, n_steps=args.n_steps)
-    reason = get_stage(args.stage).skip_reason(device)
-    if reason is not None:  # before the folder is made: a refused command leaves nothing
-        raise ValueError(f"--stage {args.stage}: skipped on {device}: {reason}")
+    get_stage(args.stage).check(device, cfg)  # before the folder is made: nothing is left
     out = check_output_dir(args.out)
     pipe = Pipeline(args.stage, cfg, device)
     with pipe:

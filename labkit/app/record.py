@@ -435,7 +435,7 @@ class _Session:
         import tempfile
 
         from ..envs.policies import mean_return
-        from ..stages import get_stage
+        from ..stages import StageSkipped, get_stage
         from .train import TrainConfig, train
 
         budget = LEARNING[self.profile]
@@ -446,12 +446,13 @@ class _Session:
                                          device=self.device)
         path = self.out / f"learning_{self.device.type}_{self.profile}.json"
         for name in (get_stage(s).name for s in stages):
-            reason = get_stage(name).skip_reason(self.device)
-            if reason:
-                result["stages"][name] = {"status": f"skipped: {reason}"}
-                continue
             cfg = TrainConfig.flat(stage=name, device=str(self.device), seed=1,
                                    checkpoint_every=0, **budget)
+            try:
+                get_stage(name).check(self.device, cfg.run)
+            except StageSkipped as err:
+                result["stages"][name] = {"status": f"skipped: {err.reason}"}
+                continue
             with tempfile.TemporaryDirectory(prefix="labkit-learning-") as tmp:
                 summary = train(cfg, Path(tmp) / "run", progress=False)
                 lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()

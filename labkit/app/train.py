@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .. import debug
-from ..config import RunConfig, check_memory, split_run_fields
+from ..config import RunConfig, split_run_fields
 from ..device import ALLOWED as DEVICES
 from ..device import resolve_device
 from ..distributed import SINGLE, Group, join, leave, parameter_checksum
@@ -40,7 +40,7 @@ from ..files import (
 )
 from ..logging import AsyncLogger, SyncLogger, TensorBoardSink
 from ..signals import signals_deferred, signum_of, stop_signals
-from ..stages import Pipeline, PipelineState, StageSkipped, get_stage
+from ..stages import Pipeline, PipelineState, get_stage
 from ..validate import check_int
 from . import checkpoint
 
@@ -144,10 +144,7 @@ def check_runnable(cfg: TrainConfig, group: Group = SINGLE) -> torch.device:
     """The device ``cfg`` trains on (this rank's GPU under torchrun), after checking (before
     anything is written) that it exists, the stage can run there and the run fits in memory."""
     device = group.device(resolve_device(cfg.device))
-    reason = get_stage(cfg.stage).skip_reason(device)
-    if reason:
-        raise ValueError(f"stage {cfg.stage!r} cannot run on {device}: {reason}")
-    check_memory(cfg.run, device)
+    get_stage(cfg.stage).check(device, cfg.run)  # StageSkipped, a ValueError
     if cfg.world_size != group.world:
         raise ValueError(f"world_size is {cfg.world_size} in the config but torchrun started "
                          f"{group.world} process(es); resume a run with as many as it had")
@@ -156,10 +153,7 @@ def check_runnable(cfg: TrainConfig, group: Group = SINGLE) -> torch.device:
 
 def build_pipeline(cfg: TrainConfig, device: torch.device, group: Group = SINGLE) -> Pipeline:
     """The stage's pipeline for ``cfg`` (its LR annealed over ``cfg.n_iterations``)."""
-    try:
-        return Pipeline(cfg.stage, cfg.run, device, group=group)
-    except StageSkipped as err:
-        raise ValueError(f"stage {cfg.stage!r} cannot run on {device}: {err}") from None
+    return Pipeline(cfg.stage, cfg.run, device, group=group)
 
 
 def _read_stats(pipeline: Pipeline, stats: dict) -> dict[str, float]:

@@ -44,11 +44,11 @@ from collections import Counter
 import torch
 
 from ..capture import warmup
-from ..config import RunConfig, check_memory
+from ..config import RunConfig
 from ..device import resolve_device
 from ..distributed import SINGLE
 from ..measure.bench import timed_iteration
-from ..stages import STAGES, Pipeline, Stage, get_stage
+from ..stages import STAGES, Pipeline, Stage, StageSkipped, get_stage
 from .findings import (
     ALLOCATIONS,
     Parts,
@@ -99,16 +99,19 @@ def diagnose(target: Pipeline | Stage | int | str, iterations: int = 2,
         stage, device = get_stage(target), resolve_device(device)
         cfg = cfg if cfg is not None else RunConfig(**DOCTOR_RUN)
     report = Report(stage.name, str(device), cfg.n_envs, cfg.n_steps, iterations)
-    reason = None if isinstance(target, Pipeline) else stage.skip_reason(device)
-    if reason:
-        report.status = f"skipped: {reason}"
-        return report
+    if not isinstance(target, Pipeline):
+        try:
+            stage.check(device, cfg)
+        except StageSkipped as err:
+            if err.cause == "memory":  # a size that cannot fit: the caller's error, not a finding
+                raise
+            report.status = f"skipped: {err.reason}"
+            return report
     eager = without_graphs(stage)
     report.graphs_off = eager is not stage
     if isinstance(target, Pipeline) and not report.graphs_off:
         pipe, saved = target, target.state_dict()
     else:
-        check_memory(cfg, device)  # a size that cannot fit is the caller's error, not a finding
         group = target.group if isinstance(target, Pipeline) else SINGLE
         try:
             pipe, saved = Pipeline(eager, cfg, device, group=group), None

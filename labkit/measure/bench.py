@@ -23,12 +23,12 @@ from collections.abc import Callable
 import torch
 
 from ..capture import warmup
-from ..config import BenchConfig, RunConfig, check_memory
+from ..config import BenchConfig, RunConfig
 from ..device import run_metadata, synchronize
 from ..policy import flops_per_sample
 from ..ppo import Batch
 from ..signals import signum_of
-from ..stages import STAGES, Pipeline, Stage, get_stage
+from ..stages import STAGES, Pipeline, Stage, StageSkipped, get_stage
 from ..timing import PHASES, lap_cost_s, time_calls, timed
 from .syncmeter import SyncMeter
 
@@ -183,9 +183,10 @@ def measure_stage(stage: Stage, cfg: BenchConfig, device: torch.device,
     run = cfg.run
     row: dict = {"stage": stage.index, "name": stage.name, "lesson": stage.lesson,
                  "n_envs": run.n_envs, "n_steps": run.n_steps}
-    reason = stage.skip_reason(device)
-    if reason:
-        return {**row, "status": f"skipped: {reason}"}
+    try:
+        stage.check(device)  # the size was checked by ladder_plan
+    except StageSkipped as err:
+        return {**row, "status": f"skipped: {err.reason}"}
     # The previous stage's pipeline may still sit in a reference cycle; its buffers must not
     # count against this one's memory.
     gc.collect()
@@ -256,8 +257,12 @@ def ladder_plan(cfg: BenchConfig, device: torch.device, stages: list | None = No
     if scaling:
         todo += [(s, cfg.replace(n_envs=n)) for s in stages if s.scales
                  for n in cfg.scaling_n_envs]
-    for _, c in todo:
-        check_memory(c.run, device)
+    for s, c in todo:
+        try:
+            s.check(device, c.run)
+        except StageSkipped as err:
+            if err.cause == "memory":  # a size that cannot fit: the caller's error, before any row
+                raise
     return todo
 
 
