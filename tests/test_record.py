@@ -245,3 +245,24 @@ def test_a_tree_without_git_names_its_commit(monkeypatch):
     assert meta["git_commit_source"].startswith("LABKIT_GIT_COMMIT (the tree was not checked")
     monkeypatch.setenv("LABKIT_GIT_COMMIT", "")
     assert run_metadata(torch.device("cpu"))["git_commit_source"] == "git"
+
+
+def test_one_row_model_renders_text_and_markdown_alike():
+    """Each results table is defined once (labkit.measure.tables): its text and Markdown
+    renderings show the same cells, and a row that did not run shows its keys and its status."""
+    from labkit.measure import tables
+
+    ok = {"stage": 3, "name": "batched_ops", "n_envs": 32, "sps": 5047.2, "x_vs_stage0": 2.94,
+          "x_vs_prev": None, "host_reads_per_iter": 294, "warmup_s": 0.4, "ceiling_sps": 8974.0,
+          "frac_of_ceiling": 0.562, "frac_of_peak": None, "precision": "fp32", "status": "ok"}
+    skipped = {"stage": 8, "name": "cuda_graphs", "n_envs": 32, "status": "skipped: needs CUDA"}
+    text = tables.LADDER.text([ok, skipped]).splitlines()
+    md = tables.LADDER.markdown([ok, skipped]).splitlines()
+    cells = ["3", "batched_ops", "32", "5,047", "2.9", "-", "294", "0.40", "8,974", "56.2", "-",
+             "fp32"]
+    assert text[2].split() == cells
+    assert [c.strip() for c in md[2].strip("|").split("|")] == cells
+    assert text[3].split() == ["8", "cuda_graphs", "32", "skipped:", "needs", "CUDA"]
+    assert md[3].startswith("| 8 | cuda_graphs | 32 | skipped: needs CUDA |")
+    assert md[3].count("|") == md[0].count("|") == len(tables.LADDER.columns) + 1
+    assert len(text[0]) == len(text[1])  # the rule is as wide as the header

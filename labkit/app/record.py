@@ -50,6 +50,7 @@ import torch
 
 from ..device import git_commit, run_metadata
 from ..files import atomic_write, write_json
+from ..measure import tables
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Groups of parts, in the order a record runs them; ``all`` names every part.
@@ -586,10 +587,6 @@ def _load(folder: Path, pattern: str) -> list[tuple[str, dict]]:
             for p in sorted(folder.glob(pattern)) if not p.name.endswith("_partial.json")]
 
 
-def _fmt(value: float | None, spec: str = ",.0f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _source(name: str, meta: dict) -> str:
     return (f"`{name}`: {meta['device_name']} ({meta['device']}), torch {meta['torch']}, "
             f"commit `{meta['git_commit']}`, {meta['date'][:10]}")
@@ -612,67 +609,29 @@ def runs_note(result: dict) -> str:
 
 def ladder_table(result: dict) -> str:
     """The ladder as a Markdown table (what the README shows)."""
-    lines = ["| # | stage | N | env steps/s | x stage 0 | x prev | host reads / iter | "
-             "warmup s | ceiling steps/s | % of ceiling | precision |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["ladder"]:
-        if r.get("status") != "ok":
-            lines.append(f"| {r['stage']} | {r['name']} | {r['n_envs']} | {r['status']} "
-                         "| | | | | | | |")
-            continue
-        lines.append(
-            f"| {r['stage']} | {r['name']} | {r['n_envs']} | {_fmt(r['sps'])} | "
-            f"{_fmt(r.get('x_vs_stage0'), '.1f')} | {_fmt(r.get('x_vs_prev'), '.2f')} | "
-            f"{r['host_reads_per_iter']} | {r['warmup_s']:.2f} | {_fmt(r['ceiling_sps'])} | "
-            f"{100 * r['frac_of_ceiling']:.0f} | {r['precision']} |")
-    return "\n".join(lines)
+    return tables.LADDER.markdown(result["ladder"])
 
 
 def phase_table(result: dict) -> str:
-    from ..timing import PHASES
+    from ..measure import bench
 
-    rows = [r for r in result["ladder"] if r.get("status") == "ok"]
-    keys = [k for k in PHASES if any(k in r["phase_ms"] for r in rows)]
-    lines = ["| stage | " + " | ".join(PHASES[k] for k in keys) + " |",
-             "|---|" + "---|" * len(keys)]
-    for r in rows:
-        lines.append(f"| {r['stage']} {r['name']} | " + " | ".join(
-            f"{r['phase_ms'].get(k, 0.0):.1f}" for k in keys) + " |")
-    return "\n".join(lines)
+    return bench.phase_table(result).markdown(
+        r for r in result["ladder"] if r.get("status") == "ok")
 
 
 def scaling_table(result: dict) -> str:
-    rows = [r for r in result["scaling"]]
-    ns = sorted({r["n_envs"] for r in rows})
-    names = list(dict.fromkeys(f"{r['stage']} {r['name']}" for r in rows))
-    cell = {(f"{r['stage']} {r['name']}", r["n_envs"]):
-            _fmt(r["sps"]) if r.get("status") == "ok" else r["status"] for r in rows}
-    lines = ["| stage | " + " | ".join(f"N={n}" for n in ns) + " |",
-             "|---|" + "---|" * len(ns)]
-    lines += [f"| {name} | " + " | ".join(cell.get((name, n), "") for n in ns) + " |"
-              for name in names]
-    return "\n".join(lines)
+    return tables.SCALING.markdown(result["scaling"])
 
 
 def bench_env_table(result: dict) -> str:
-    lines = ["| implementation | N | env steps/s | vs ForagePy |", "|---|---|---|---|"]
-    lines += [f"| {r['impl']} | {r['n_envs']} | {_fmt(r['steps_per_s'])} | "
-              f"{r['ratio_vs_py']:.1f}x |" for r in result["rows"]]
-    return "\n".join(lines)
+    return tables.ENVS.markdown(result["rows"])
 
 
 def learning_table(result: dict) -> str:
-    lines = ["| stage | final mean return | env steps | wall s | steps/s |",
-             "|---|---|---|---|---|"]
-    for name, r in result["stages"].items():
-        if r["status"] != "ok":
-            lines.append(f"| {name} | {r['status']} | | | |")
-            continue
-        lines.append(f"| {name} | {_fmt(r['final_mean_return'], '.1f')} | {r['steps']:,} | "
-                     f"{r['wall_s']:.0f} | {_fmt(r['steps_per_s'])} |")
-    lines.append(f"\nOracle (scripted, greedy) {result['oracle']:.1f}, uniformly random "
-                 f"{result['random']:.2f} mean return per 128-step episode.")
-    return "\n".join(lines)
+    rows = [{"stage": name, **r} for name, r in result["stages"].items()]
+    return (tables.LEARNING.markdown(rows) + f"\n\nOracle (scripted, greedy) "
+            f"{result['oracle']:.1f}, uniformly random {result['random']:.2f} mean return per "
+            "128-step episode.")
 
 
 def _device_rank(result: dict) -> tuple:

@@ -30,6 +30,7 @@ from ..ppo import Batch
 from ..signals import signum_of
 from ..stages import STAGES, Pipeline, Stage, StageSkipped, get_stage
 from ..timing import PHASES, lap_cost_s, time_calls, timed
+from . import tables
 from .syncmeter import SyncMeter
 
 PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -317,56 +318,33 @@ def run_ladder(cfg: BenchConfig, device: torch.device, stages: list[Stage] | Non
 
 
 def format_ladder(result: dict) -> str:
-    """The ladder table as text."""
-    head = (f"{'#':>2} {'stage':<15} {'N':>6} {'sps':>10} {'x st0':>6} {'x prev':>6} "
-            f"{'reads/it':>8} {'warmup s':>8} {'ceil sps':>10} {'% ceil':>6} {'% peak':>6}"
-            f"  precision")
-    lines = [head, "-" * len(head)]
-    for r in result["ladder"]:
-        if r.get("status") != "ok":
-            lines.append(f"{r['stage']:>2} {r['name']:<15} {r['n_envs']:>6} {r['status']}")
-            continue
-        x0 = f"{r['x_vs_stage0']:.1f}" if r.get("x_vs_stage0") else "-"
-        xp = f"{r['x_vs_prev']:.2f}" if r.get("x_vs_prev") else "-"
-        pk = f"{100 * r['frac_of_peak']:.2f}" if r.get("frac_of_peak") else "-"
-        lines.append(f"{r['stage']:>2} {r['name']:<15} {r['n_envs']:>6} {r['sps']:>10,.0f} "
-                     f"{x0:>6} {xp:>6} {r['host_reads_per_iter']:>8} {r['warmup_s']:>8.2f} "
-                     f"{r['ceiling_sps']:>10,.0f} {100 * r['frac_of_ceiling']:>6.1f} {pk:>6}"
-                     f"  {r['precision']}")
+    """The ladder table as text, with the device it was measured on."""
     m = result["meta"]
-    lines.append(f"device: {m['device_name']} ({m['device']}), torch {m['torch']}, "
-                 f"peak {result['peak_flops'] / 1e9:.1f} GFLOP/s ({result['peak_dtype']} matmul)")
+    lines = [tables.LADDER.text(result["ladder"]),
+             f"device: {m['device_name']} ({m['device']}), torch {m['torch']}, "
+             f"peak {result['peak_flops'] / 1e9:.1f} GFLOP/s ({result['peak_dtype']} matmul)"]
     if result.get("interrupted"):
         lines.append(f"PARTIAL: interrupted by {result['interrupted']}; what is not listed did "
                      "not run")
     return "\n".join(lines)
 
 
+def phase_table(result: dict) -> tables.Table:
+    """The phases table for the phases that some row of ``result`` measured."""
+    rows = [r for r in result["ladder"] if r.get("status") == "ok"]
+    return tables.phases([k for k in PHASES if any(k in r["phase_ms"] for r in rows)], PHASES)
+
+
 def format_phases(result: dict) -> str:
     """Milliseconds per iteration in each phase, per stage, and the marks' own overhead."""
-    keys = [k for k in PHASES if any(k in r.get("phase_ms", {}) for r in result["ladder"])]
-    head = (f"{'#':>2} {'stage':<15}" + "".join(f"{k:>9}" for k in keys)
-            + f"{'marks':>8}{'A/B':>8}")
-    lines = [head, "-" * len(head)]
-    for r in result["ladder"]:
-        if r.get("status") != "ok":
-            continue
-        cells = "".join(f"{r['phase_ms'].get(k, 0.0):>9.1f}" for k in keys)
-        lines.append(f"{r['stage']:>2} {r['name']:<15}{cells}"
-                     f"{100 * r['marks_overhead']:>7.2f}%{100 * r['marks_ab']:>+7.1f}%")
-    lines.append("ms per iteration (median of the marked iterations). marks: phase marks per "
-                 "iteration x measured cost of one mark, over the iteration; A/B: marked vs "
-                 "unmarked iterations of the same run (noisy on a shared machine)")
-    return "\n".join(lines)
+    rows = [r for r in result["ladder"] if r.get("status") == "ok"]
+    return (phase_table(result).text(rows) + "\nms per iteration (median of the marked "
+            "iterations). marks: phase marks per iteration x measured cost of one mark, over "
+            "the iteration; A/B: marked vs unmarked iterations of the same run (noisy on a "
+            "shared machine)")
 
 
 def format_scaling(result: dict) -> str:
-    lines = [f"{'#':>2} {'stage':<15} {'N':>7} {'sps':>12} {'% ceil':>7}"]
-    for r in result["scaling"]:
-        if r.get("status") == "ok":
-            value = f"{r['sps']:>12,.0f} {100 * r['frac_of_ceiling']:>7.1f}"
-        else:
-            value = r["status"]
-        lines.append(f"{r['stage']:>2} {r['name']:<15} {r['n_envs']:>7} {value}")
-    return "\n".join(lines)
+    """The scaling sweep as text."""
+    return tables.SCALING.text(result["scaling"])
 

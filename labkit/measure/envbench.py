@@ -15,6 +15,7 @@ from ..envs.torch import ForageTorch
 from ..envs.torch_loop import ForageTorchLoop
 from ..timing import timed
 from ..validate import check_int
+from . import tables
 
 IMPLS = ("ForagePy", "ForageNumpy", "ForageTorchLoop", "ForageTorch")
 
@@ -107,12 +108,7 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
 
 
 def format_table(result: dict) -> str:
-    """The rows of ``bench_envs`` as a fixed-width text table with a one-line header."""
+    """The rows of ``bench_envs`` as a fixed-width text table under a line saying where."""
     m = result["meta"]
-    lines = [f"Forage env-steps/s on {m['device']} ({m['device_name']}), "
-             f"torch {m['torch']}, median of {result['repeats']}",
-             f"{'impl':<16}{'n_envs':>8}{'steps/s':>14}{'vs ForagePy':>13}"]
-    for row in result["rows"]:
-        lines.append(f"{row['impl']:<16}{row['n_envs']:>8}{row['steps_per_s']:>14,.0f}"
-                     f"{row['ratio_vs_py']:>12.1f}x")
-    return "\n".join(lines)
+    return (f"Forage env-steps/s on {m['device']} ({m['device_name']}), torch {m['torch']}, "
+            f"median of {result['repeats']}\n" + tables.ENVS.text(result["rows"]))

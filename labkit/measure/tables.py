@@ -1,0 +1,129 @@
+"""Results tables, each defined once: its columns over one kind of row, rendered as fixed-width
+text (what the CLI and the chapters print) or as Markdown (``results/RESULTS.md``, the README).
+
+A row whose ``status`` is not ``ok`` shows its key columns and then the status, so a stage that
+was skipped or failed says why in the same place in both renderings.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+
+def fmt(value: float | None, spec: str = ",.0f") -> str:
+    """``value`` formatted by ``spec``, or ``-`` where there is none."""
+    return "-" if value is None else format(value, spec)
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column: a short header for text, a longer one for Markdown, and its cell."""
+
+    head: str
+    title: str
+    cell: Callable[[dict], str]
+    width: int = 8
+    left: bool = False
+
+    def pad(self, text: str) -> str:
+        return f"{text:<{self.width}}" if self.left else f"{text:>{self.width}}"
+
+
+@dataclass(frozen=True)
+class Table:
+    """Columns over rows; the first ``keys`` columns are shown for rows that did not run."""
+
+    columns: tuple[Column, ...]
+    keys: int = 2
+
+    @staticmethod
+    def ran(row: dict) -> bool:
+        return row.get("status", "ok") == "ok"
+
+    def text(self, rows: Iterable[dict]) -> str:
+        """A header, a rule and one line per row, columns separated by a space."""
+        head = " ".join(c.pad(c.head) for c in self.columns).rstrip()
+        lines = [head, "-" * len(head)]
+        for r in rows:
+            if self.ran(r):
+                cells = [c.pad(c.cell(r)) for c in self.columns]
+            else:
+                cells = [c.pad(c.cell(r)) for c in self.columns[:self.keys]] + [r["status"]]
+            lines.append(" ".join(cells).rstrip())
+        return "\n".join(lines)
+
+    def markdown(self, rows: Iterable[dict]) -> str:
+        """A Markdown table with the long headers."""
+        n = len(self.columns)
+        lines = ["| " + " | ".join(c.title for c in self.columns) + " |", "|---" * n + "|"]
+        for r in rows:
+            if self.ran(r):
+                cells = [c.cell(r) for c in self.columns]
+            else:
+                cells = ([c.cell(r) for c in self.columns[:self.keys]] + [r["status"]]
+                         + [""] * (n - self.keys - 1))
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+def _pct(key: str, spec: str = ".1f") -> Callable[[dict], str]:
+    return lambda r: fmt(100 * r[key] if r.get(key) is not None else None, spec)
+
+
+_INDEX = Column("#", "#", lambda r: str(r["stage"]), 2)
+_NAME = Column("stage", "stage", lambda r: r["name"], 15, left=True)
+
+#: The ladder: one row per stage at one N (``run_ladder``'s ``result["ladder"]``).
+LADDER = Table((
+    _INDEX, _NAME,
+    Column("N", "N", lambda r: str(r["n_envs"]), 6),
+    Column("sps", "env steps/s", lambda r: fmt(r["sps"]), 10),
+    Column("x st0", "x stage 0", lambda r: fmt(r.get("x_vs_stage0"), ".1f"), 6),
+    Column("x prev", "x prev", lambda r: fmt(r.get("x_vs_prev"), ".2f"), 6),
+    Column("reads/it", "host reads / iter", lambda r: str(r["host_reads_per_iter"]), 8),
+    Column("warmup s", "warmup s", lambda r: f"{r['warmup_s']:.2f}", 8),
+    Column("ceil sps", "ceiling steps/s", lambda r: fmt(r["ceiling_sps"]), 10),
+    Column("% ceil", "% of ceiling", _pct("frac_of_ceiling"), 6),
+    Column("% peak", "% of peak", _pct("frac_of_peak", ".2f"), 6),
+    Column("precision", "precision", lambda r: r["precision"], 9, left=True),
+), keys=3)
+
+#: The scaling sweep: one row per stage and N (``result["scaling"]``).
+SCALING = Table((
+    _INDEX, _NAME,
+    Column("N", "N", lambda r: str(r["n_envs"]), 7),
+    Column("sps", "env steps/s", lambda r: fmt(r["sps"]), 12),
+    Column("% ceil", "% of ceiling", _pct("frac_of_ceiling"), 7),
+), keys=3)
+
+
+def phases(keys: Iterable[str], titles: dict[str, str]) -> Table:
+    """Milliseconds per iteration in each phase of ``keys``, then the phase marks' overhead
+    and the marked-vs-unmarked difference (rows of ``result["ladder"]``)."""
+    def ms(key: str) -> Callable[[dict], str]:
+        return lambda r: f"{r['phase_ms'].get(key, 0.0):.1f}"
+
+    return Table((
+        _INDEX, _NAME,
+        *(Column(k, titles[k], ms(k), 9) for k in keys),
+        Column("marks", "marks %", _pct("marks_overhead", ".2f"), 7),
+        Column("A/B", "marked vs plain %", _pct("marks_ab", "+.1f"), 7),
+    ))
+
+
+#: The env benchmark: one row per implementation and N (``bench_envs``' ``result["rows"]``).
+ENVS = Table((
+    Column("impl", "implementation", lambda r: r["impl"], 16, left=True),
+    Column("n_envs", "N", lambda r: str(r["n_envs"]), 7),
+    Column("steps/s", "env steps/s", lambda r: fmt(r["steps_per_s"]), 13),
+    Column("vs ForagePy", "vs ForagePy", lambda r: f"{r['ratio_vs_py']:.1f}x", 11),
+))
+
+#: Learning runs: one row per stage (``record``'s ``learning_*.json``, rows with ``stage``).
+LEARNING = Table((
+    Column("stage", "stage", lambda r: r["stage"], 15, left=True),
+    Column("return", "final mean return", lambda r: fmt(r["final_mean_return"], ".1f"), 8),
+    Column("steps", "env steps", lambda r: f"{r['steps']:,}", 10),
+    Column("wall s", "wall s", lambda r: f"{r['wall_s']:.0f}", 7),
+    Column("sps", "steps/s", lambda r: fmt(r["steps_per_s"]), 9),
+), keys=1)
