@@ -78,7 +78,7 @@ class Collector:
         self.reward_mean = torch.zeros((), device=device)
         self._observe()  # the env was built reset
 
-    def reset(self) -> None:
+    def restart_envs(self) -> None:
         """Every env back to the first observation of its seed."""
         self.env.reset()
         self.done.zero_()

@@ -12,8 +12,8 @@ slot                  what it decides
 ``metrics``           where episode statistics are aggregated
 ``optimizer``         which Adam, and its grad clip
 ``precision``         fp32, or mixed precision where the device has it
-``rollout``           how the policy and each rollout step execute (eager/compiled/graphed)
-``update``            how the loss and each minibatch step execute (eager/compiled/graphed)
+``rollout_executor``  how the policy and each rollout step execute (eager/compiled/graphed)
+``update_executor``   how the loss and each minibatch step execute (eager/compiled/graphed)
 ====================  ======================================================================
 
 Nothing outside a component asks which stage it is in; a component that needs something of the
@@ -81,8 +81,8 @@ class Stage:
     metrics: type = EagerEpisodeStats
     optimizer: Adam = Adam()
     precision: Fp32 = fp32
-    rollout: Eager | Graphed = Eager()
-    update: Eager | Graphed = Eager()
+    rollout_executor: Eager | Graphed = Eager()
+    update_executor: Eager | Graphed = Eager()
 
     def components(self) -> dict[str, Any]:
         """The slots and what fills them."""
@@ -129,15 +129,16 @@ def _ladder() -> tuple[Stage, ...]:
     s4 = replace(s3, index=4, name="async_logging", lesson="log off the hot path",
                  logger=AsyncLogger)
     s5 = replace(s4, index=5, name="compile_warmup", lesson="compile, and warm up off the clock",
-                 rollout=Compiled(), update=Compiled())
+                 rollout_executor=Compiled(), update_executor=Compiled())
     s6 = replace(s5, index=6, name="gpu_metrics", lesson="aggregate metrics on the device",
                  metrics=DeviceEpisodeStats)
     s7 = replace(s6, index=7, name="fused_amp", lesson="fused Adam and grad clip, mixed precision",
                  optimizer=FusedAdam(), precision=amp)
     s8 = replace(s7, index=8, name="cuda_graphs",
                  lesson="replay rollout step and update as CUDA graphs",
-                 optimizer=FusedAdam(capturable=True), rollout=Graphed(s7.rollout),
-                 update=Graphed(s7.update, requires=("cuda", "bf16")))
+                 optimizer=FusedAdam(capturable=True),
+                 rollout_executor=Graphed(s7.rollout_executor),
+                 update_executor=Graphed(s7.update_executor, requires=("cuda", "bf16")))
     return (s0, s1, s2, s3, s4, s5, s6, s7, s8)
 
 
@@ -250,18 +251,17 @@ class Pipeline:
         self.metrics = stage.metrics(device=device)
         env = stage.env(n_envs=cfg.n_envs, spec=cfg.spec, seed=cfg.seed, device=device,
                         env_offset=group.env_offset(cfg.n_envs))
-        self.policy = stage.rollout.wrap_model(self.agent)
+        self.policy = stage.rollout_executor.wrap_model(self.agent)
         self.collector = stage.collector(
             env=env, n_steps=cfg.n_steps, metrics=self.metrics, device=device, clock=self.clock,
             act=partial(sample_action, self.policy, generator=self.generator))
-        self._step = stage.rollout.wrap_step(self.collector.step, state=self,
+        self._step = stage.rollout_executor.wrap_step(self.collector.step, state=self,
                                              generator=self.generator,
                                              after_replay=partial(self.clock.lap, "graph"))
-        self.update = build_update(agent=self.agent, optimizer=self.optimizer,
-                                   clip_grad=group.average_grads(stage.optimizer.clip_grad),
-                                   precision=self.precision,
-                                   executor=stage.update, cfg=cfg.ppo, generator=self.generator,
-                                   state=self)
+        self.ppo_update = build_update(
+            agent=self.agent, optimizer=self.optimizer,
+            clip_grad=group.average_grads(stage.optimizer.clip_grad), precision=self.precision,
+            executor=stage.update_executor, cfg=cfg.ppo, generator=self.generator, state=self)
         self.global_step = 0
         self.iteration_index = 0
         self._initial = self.state_dict()
@@ -296,7 +296,7 @@ class Pipeline:
         if self.ppo.anneal_lr:
             self.stage.optimizer.set_lr(self.optimizer, annealed_lr(
                 self.ppo.lr, self.iteration_index, self.cfg.lr_horizon))
-        stats = self.update(batch)
+        stats = self.ppo_update(batch)
         self.clock.lap("update")
         self.iteration_index += 1
         self.group.reduce_metrics(self.metrics)
@@ -342,7 +342,7 @@ class Pipeline:
         finally:
             # The step executors hold this pipeline (a graph capture restores its state): drop
             # them so the buffers and graph pools go now, not at a later garbage collection.
-            self._step = self.update = None
+            self._step = self.ppo_update = None
             if getattr(self, "_tmp", None) is not None:
                 self._tmp.cleanup()
 

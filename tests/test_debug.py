@@ -85,7 +85,7 @@ def test_gradients_and_losses_are_checked_in_the_update():
         batch = p.rollout()
         batch.advantages[3] = float("inf")
         with pytest.raises(debug.NonFiniteError) as err:
-            p.update(batch)
+            p.ppo_update(batch)
     assert err.value.point in ("losses", "gradients")
 
 

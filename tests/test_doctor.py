@@ -240,7 +240,7 @@ class _RecompilingAgent(Agent):
 def test_recompiles_after_warmup_are_found():
     # The update runs eagerly, so only this test's own policy code gathers compiled versions.
     stage = dataclasses.replace(get_stage("fused_amp"), name="recompiling",
-                                model=_RecompilingAgent, update=Eager())
+                                model=_RecompilingAgent, update_executor=Eager())
     report = diagnose(stage, cfg=RUN, device=CPU, baseline=False)
     (f,) = _findings(report, "recompile")
     assert f.evidence["graphs_after_warmup"] >= 2
@@ -253,13 +253,15 @@ def test_a_graphed_stage_is_diagnosed_without_its_graphs():
     if not torch.cuda.is_available():
         assert diagnose(graphed, cfg=RUN, device=CPU).status == "skipped: needs CUDA"
     eager = without_graphs(graphed)
-    assert (eager.rollout, eager.update) == (graphed.rollout.base, graphed.update.base) \
+    assert (eager.rollout_executor, eager.update_executor) == \
+        (graphed.rollout_executor.base, graphed.update_executor.base) \
         == (Compiled(), Compiled())
-    assert dataclasses.replace(eager, rollout=graphed.rollout, update=graphed.update) == graphed
+    assert dataclasses.replace(eager, rollout_executor=graphed.rollout_executor,
+                               update_executor=graphed.update_executor) == graphed
     assert without_graphs(get_stage("fused_amp")) is get_stage("fused_amp")
     # The whole path on any device: graphs that need nothing, with a plant a replay would hide.
-    anywhere = dataclasses.replace(graphed, rollout=Graphed(Compiled(), requires=()),
-                                   update=Graphed(Compiled(), requires=()))
+    anywhere = dataclasses.replace(graphed, rollout_executor=Graphed(Compiled(), requires=()),
+                                   update_executor=Graphed(Compiled(), requires=()))
     report = diagnose(plant(anywhere, "clone_overuse"), cfg=RUN, device=CPU)
     assert report.graphs_off and "without its CUDA graphs" in report.format().splitlines()[0]
     (f,) = report.findings
@@ -270,7 +272,7 @@ def test_a_graphed_stage_is_diagnosed_without_its_graphs():
     with Pipeline(plant(anywhere, "unfused_adam"), RUN, CPU) as p:
         step = p.global_step
         report = diagnose(p, baseline=False)
-        assert p.global_step == step and isinstance(p.stage.update, Graphed)
+        assert p.global_step == step and isinstance(p.stage.update_executor, Graphed)
     (f,) = report.findings
     assert report.graphs_off and f.kind == "host_read" and f.evidence["per_update"] == 160
 
@@ -388,7 +390,7 @@ def test_the_chapter_of_each_fix_comes_from_the_ladder():
     assert {*CHAPTERS, MEASURE_FIRST} <= notebooks
     for slot, stage in (("logger", "async_logging"), ("metrics", "gpu_metrics"),
                         ("optimizer", "fused_amp"), ("env", "batched_ops"),
-                        ("rollout", "compile_warmup")):
+                        ("rollout_executor", "compile_warmup")):
         assert _SLOT_FIX[slot][0] == CHAPTERS[get_stage(stage).index], slot
     assert _COMPONENT_FIX["PerEnvCollector"][0] == CHAPTERS[get_stage("numpy_vec").index]
     assert _COMPONENT_FIX["HostBatchedCollector"][0] == CHAPTERS[get_stage("torch_state").index]

@@ -72,11 +72,11 @@ def test_stage_8_equals_stage_7_bit_for_bit(stage_7):
 def test_replayed_rollout_and_update_read_nothing():
     with rehearsal(), Pipeline(GRAPHED, RUN, "cpu") as p:
         batch = p.rollout()  # the rollout step is captured here
-        p.update(batch)  # and the minibatch step here
+        p.ppo_update(batch)  # and the minibatch step here
         with SyncMeter() as rollout_meter:
             batch = p.rollout()
         with SyncMeter() as update_meter:
-            p.update(batch)
+            p.ppo_update(batch)
     assert (rollout_meter.host_reads, update_meter.host_reads) == (0, 0)
 
 
@@ -141,7 +141,7 @@ def test_a_planted_host_read_fails_the_capture():
     with rehearsal(), Pipeline(plant(GRAPHED, "unfused_adam"), RUN, "cpu") as p:
         batch = p.rollout()
         with pytest.raises(CaptureError) as caught:
-            p.update(batch)
+            p.ppo_update(batch)
     problems = caught.value.problems
     assert problems and all(x.kind == "host_read" for x in problems)
     assert any("via torch/optim/" in x.where for x in problems)

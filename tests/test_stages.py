@@ -48,7 +48,8 @@ def test_each_stage_differs_from_the_previous_by_its_lesson():
         changed = {k for k, v in cur.components().items() if prev.components()[k] != v}
         # stage 8 captures both steps, and a captured optimizer step must be capturable
         assert 1 <= len(changed) <= 2 or (cur.name, changed) == (
-            "cuda_graphs", {"optimizer", "rollout", "update"}), (cur.name, changed)
+            "cuda_graphs", {"optimizer", "rollout_executor", "update_executor"}), \
+            (cur.name, changed)
 
 
 def test_a_stage_holds_components_only():
@@ -88,7 +89,7 @@ def test_nothing_outside_stages_py_branches_on_the_stage():
 def test_skip_reasons_come_from_the_components():
     assert STAGES[8].skip_reason(CPU) == "needs CUDA"
     assert all(s.skip_reason(CPU) is None for s in STAGES[:8])
-    custom = dataclasses.replace(STAGES[3], rollout=STAGES[8].rollout)
+    custom = dataclasses.replace(STAGES[3], rollout_executor=STAGES[8].rollout_executor)
     assert custom.skip_reason(CPU) == "needs CUDA"
     assert [s.name for s in STAGES if s.scales] == [s.name for s in STAGES[3:]]
 
@@ -183,7 +184,7 @@ def test_stages_collect_identical_rollouts():
 def _update_result(index: int, batch, device: torch.device = CPU) -> list[torch.Tensor]:
     with Pipeline(STAGES[index], RUN, device) as p:
         p.generator.manual_seed(123)
-        p.update(batch)
+        p.ppo_update(batch)
         return [t.detach().clone() for t in p.agent.parameters()]
 
 
@@ -311,7 +312,7 @@ def _update_from(stage, batch, device):
     with Pipeline(stage, RUN, device) as p:
         start = [t.detach().clone() for t in p.agent.parameters()]
         p.generator.manual_seed(123)
-        p.update(batch)
+        p.ppo_update(batch)
         return start, [t.detach().clone() for t in p.agent.parameters()]
 
 
@@ -366,7 +367,7 @@ def test_cuda_graphed_rollout_and_update_match_eager_and_read_nothing():
             b = {k: v.clone() for k, v in graphed.collect().tensors().items()}
             for key in ("obs", "actions", "rewards", "dones"):
                 assert torch.equal(a[key], b[key]), key
-        rollout_step, update_step = graphed._step, graphed.update.keywords["step"]
+        rollout_step, update_step = graphed._step, graphed.ppo_update.keywords["step"]
         assert isinstance(rollout_step, CapturedStep) and rollout_step.graph is not None
         with SyncMeter(cuda_debug=True) as m:
             r = graphed.collect()
@@ -374,10 +375,10 @@ def test_cuda_graphed_rollout_and_update_match_eager_and_read_nothing():
         assert r.actions.min() >= 0 and r.actions.max() < 5
         assert r.dones[0].eq(1).all()  # 16-step episodes, T=16: each rollout starts a new one
         batch = graphed.rollout()
-        graphed.update(batch)  # captures the minibatch step
+        graphed.ppo_update(batch)  # captures the minibatch step
         assert isinstance(update_step, CapturedStep) and update_step.graph is not None
         with SyncMeter(cuda_debug=True) as m:
-            graphed.update(batch)
+            graphed.ppo_update(batch)
         assert (m.host_reads, m.cuda_syncs) == (0, 0)
 
 

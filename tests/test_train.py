@@ -190,7 +190,8 @@ def test_fused_optimizer_state_restores_in_place():
     """Stage 7's fused Adam keeps its LR as a device tensor that compiled code and graphs hold:
     restore must write into it, not replace it. (Compile is off here: a CPU compile takes a
     minute; it does not change what is saved.)"""
-    stage = dataclasses.replace(get_stage("fused_amp"), rollout=Eager(), update=Eager())
+    stage = dataclasses.replace(get_stage("fused_amp"), rollout_executor=Eager(),
+                                update_executor=Eager())
     cfg = RunConfig(n_envs=8, n_steps=16, seed=2, spec=SPEC, value_head="popart",
                     lr_horizon=4)
 

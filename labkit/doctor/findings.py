@@ -71,8 +71,8 @@ _SLOT_HOW = {
     "precision": "bf16 autocast where the device has it (labkit.precision.Amp)",
     "model": "no Python branches on tensor values in the model: each variant implements one "
              "interface (labkit.policy's value heads), so compiled code runs straight through",
-    "rollout": "compile the policy, warm up off the clock",
-    "update": "compile the loss, warm up off the clock",
+    "rollout_executor": "compile the policy, warm up off the clock",
+    "update_executor": "compile the loss, warm up off the clock",
     "pipeline": "measure the loop itself: the sync meter, the phases",
     "user code": "measure your own code: the sync meter, the profiler",
 }
@@ -123,14 +123,15 @@ _NO_COST = {"phases": [], "ms_per_iteration": None, "share": None}
 _SLOT_PHASES = {
     "env": ("env",), "collector": ("policy", "env"), "model": ("policy", "update"),
     "logger": ("io",), "metrics": ("metrics",), "optimizer": ("update",),
-    "precision": ("update",), "rollout": ("policy", "graph"), "update": ("update",),
+    "precision": ("update",), "rollout_executor": ("policy", "graph"),
+    "update_executor": ("update",),
     "pipeline": ("io", "gae"), "user code": ("policy", "env", "io", "metrics", "update"),
 }
 
 
 _MODULE_SLOT = {short_path(module.__file__): slot for module, slot in (
-    (ppo, "update"), (policy, "model"), (stages, "pipeline"), (capture, "pipeline"),
-    (update, "update"), (precision, "precision"), (timing, "pipeline"))}
+    (ppo, "update_executor"), (policy, "model"), (stages, "pipeline"), (capture, "pipeline"),
+    (update, "update_executor"), (precision, "precision"), (timing, "pipeline"))}
 
 
 #: (ops, label) compared with the clean stage for ``excess_ops``.
@@ -231,7 +232,7 @@ def _dynamo_reasons(before: dict, parts: Parts) -> tuple[list[str], str]:
             slot = slot or parts.slot_of(file, code.co_firstlineno, None)
             out.append(f"{code.co_name} ({file}:{code.co_firstlineno}) recompiled: "
                        + reason.split("\n", 1)[0])
-    return out, slot or "update"
+    return out, slot or "update_executor"
 
 
 def _group_sites(sites_roll: Counter, sites_learn: Counter, n_steps: int, parts: Parts,
@@ -399,7 +400,7 @@ def error_finding(err: Exception, parts: Parts, phase: str) -> Finding:
         explanation = explanation or f"{type(err).__name__}: {first}"
     frames = [f"{short_path(file)}:{line} ({func})" for file, line, func in found
               if not file.startswith(TORCH_DIR)]
-    slot = parts.site_slot(frames[-1]) if frames else "update"
+    slot = parts.site_slot(frames[-1]) if frames else "update_executor"
     return Finding(kind, parts.describe(slot), summary,
                    {"error": type(err).__name__, "message": first, "explanation": explanation,
                     "user_code": frames}, _NO_COST, *fix)
@@ -409,7 +410,8 @@ def without_graphs(stage: Stage) -> Stage:
     """``stage`` with each :class:`~labkit.executors.Graphed` executor replaced by its ``base``
     (``stage`` itself if it has none): a CUDA graph replays exactly the ops of the eager step
     it captured, so this runs the same work, with every op, read and tensor visible."""
-    swaps = {slot: ex.base for slot, ex in (("rollout", stage.rollout), ("update", stage.update))
+    swaps = {slot: ex.base for slot, ex in (("rollout_executor", stage.rollout_executor),
+                                               ("update_executor", stage.update_executor))
              if isinstance(ex, Graphed)}
     return replace(stage, **swaps) if swaps else stage
 

@@ -77,14 +77,14 @@ def compute_ceiling(pipe: Pipeline, batch, repeats: int) -> float:
     precision. The pipeline's state is restored afterwards."""
     saved = pipe.state_dict()
     obs = pipe.collector.next_obs()
-    policy_step = pipe.stage.rollout.wrap_step(lambda: pipe.collector.act(obs), state=pipe,
+    policy_step = pipe.stage.rollout_executor.wrap_step(lambda: pipe.collector.act(obs), state=pipe,
                                                generator=pipe.generator)
 
     def model_work() -> None:
         with torch.no_grad():
             for _ in range(pipe.cfg.n_steps):
                 policy_step()
-        pipe.update(batch)
+        pipe.ppo_update(batch)
 
     timings = time_calls(model_work, pipe.device, repeats)  # the first call captures/compiles
     pipe.load_state_dict(saved)
