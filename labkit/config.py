@@ -5,6 +5,8 @@ how the ladder measures it, and ``labkit.app.train.TrainConfig`` how long a trai
 """
 from __future__ import annotations
 
+import ast
+import inspect
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -173,6 +175,15 @@ def memory_shortfall(run: RunConfig, device) -> str | None:
     return (f"n_envs={run.n_envs} x n_steps={run.n_steps} needs about {need / 2**30:.1f} GiB "
             f"on {device}, and {free / 2**30:.1f} GiB is free; use fewer envs or a shorter "
             "rollout")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass ``cls``, whitespace folded: one source for
+    the documentation and for the CLI's ``--help``."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    return {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant)}
 
 
 def split_run_fields(kwargs: dict) -> tuple[dict, dict]:

@@ -40,3 +40,27 @@ def test_ladder_writes_json_and_figures(tmp_path, capsys):
     assert result["ladder"][1]["ceiling_sps"] > 0
     for suffix in ("ladder", "scaling", "phases", "learning"):
         assert (tmp_path / f"ladder_cpu_quick_{suffix}.png").stat().st_size > 1000
+
+
+def test_config_flags_take_help_and_defaults_from_the_config_fields():
+    """The train flags are generated from TrainConfig/RunConfig: each --help line is the
+    field's docstring with the config's own default, so help cannot drift from the config."""
+    import argparse
+    import dataclasses
+
+    from labkit.app.cli import build_parser
+    from labkit.app.train import TrainConfig
+    from labkit.config import RunConfig, field_docs
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    train = {a.dest: a for a in sub.choices["train"]._actions}
+    for cls in (TrainConfig, RunConfig):
+        docs = field_docs(cls)
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        for name in ("stage", "device", "total_steps", "checkpoint_every", "n_envs", "n_steps",
+                     "seed", "value_head"):
+            if name in docs:
+                assert train[name].help.replace("%%", "%") == \
+                    f"{docs[name]} (default: {defaults[name]})"
+                assert train[name].default is None  # unset: the config's (or resumed run's)
+    assert train["value_head"].choices == ("plain", "popart")

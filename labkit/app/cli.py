@@ -33,6 +33,18 @@ def _default(cls: type, name: str) -> object:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
+def _field_flag(p: argparse.ArgumentParser, cls: type, name: str, parse, *,
+                default_note: str | None = None, **kwargs) -> None:
+    """``--name`` for field ``name`` of config dataclass ``cls``: its help is the field's
+    docstring and the config's default (or ``default_note``). The flag itself defaults to None:
+    unset, the config's value (or a resumed run's, or a profile's) applies."""
+    from ..config import field_docs
+
+    note = default_note if default_note is not None else f"default: {_default(cls, name)}"
+    text = f"{field_docs(cls)[name]} ({note})".replace("%", "%%")
+    p.add_argument("--" + name.replace("_", "-"), type=parse, default=None, help=text, **kwargs)
+
+
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
@@ -359,12 +371,13 @@ def _add_ladder(sub) -> None:
                    help="default: full on CUDA, quick otherwise")
     p.add_argument("--stages", type=_stage_list, default=None,
                    help="comma-separated stage indices or names (default: all)")
-    p.add_argument("--n-envs", type=_positive_int, default=None, help="N of the ladder sweep")
-    p.add_argument("--n-steps", type=_positive_int, default=None, help="rollout length T")
-    p.add_argument("--iterations", type=_int_at_least(2), default=None,
-                   help="steady-state iterations per stage (>= 2)")
-    p.add_argument("--scaling-n-envs", type=_positive_int, nargs="+", default=None,
-                   help="N values of the scaling sweep")
+    from ..config import BenchConfig, RunConfig
+
+    profile = "default: the profile's"
+    _field_flag(p, RunConfig, "n_envs", _positive_int, default_note=profile)
+    _field_flag(p, RunConfig, "n_steps", _positive_int, default_note=profile)
+    _field_flag(p, BenchConfig, "iterations", _int_at_least(2), default_note=profile)
+    _field_flag(p, BenchConfig, "scaling_n_envs", _positive_int, nargs="+", default_note=profile)
     p.add_argument("--no-scaling", action="store_true", help="skip the scaling sweep")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default="results", help="folder for JSON and PNG")
@@ -373,31 +386,19 @@ def _add_ladder(sub) -> None:
 
 def _add_train(sub) -> None:
     from ..config import RunConfig
+    from ..policy import VALUE_HEADS
     from .train import TrainConfig
-
-    def run(name: str) -> str:
-        return f"(default: {_default(RunConfig, name)})"
-
-    def train(name: str) -> str:
-        return f"(default: {_default(TrainConfig, name)})"
 
     # Flags left unset take the config's defaults, or the resumed run's values.
     p = sub.add_parser("train", help="train PPO on Forage with one stage's pipeline")
-    p.add_argument("--stage", type=_stage, default=None,
-                   help=f"stage whose pipeline trains, 0-8 or a name {train('stage')}")
-    p.add_argument("--device", default=None,
-                   help=f"auto | cpu | cuda | cuda:N {train('device')}")
-    p.add_argument("--n-envs", type=_positive_int, default=None, help=f"N {run('n_envs')}")
-    p.add_argument("--n-steps", type=_positive_int, default=None,
-                   help=f"rollout length T {run('n_steps')}")
-    p.add_argument("--total-steps", type=_positive_int, default=None,
-                   help=f"env steps of the run {train('total_steps')}")
-    p.add_argument("--seed", type=_non_negative_int, default=None, help=run("seed"))
-    p.add_argument("--value-head", choices=("plain", "popart"), default=None,
-                   help=run("value_head"))
-    p.add_argument("--checkpoint-every", type=_non_negative_int, default=None,
-                   help="iterations between checkpoints, 0 = only at the end "
-                        f"{train('checkpoint_every')}")
+    _field_flag(p, TrainConfig, "stage", _stage)
+    _field_flag(p, TrainConfig, "device", str)
+    _field_flag(p, RunConfig, "n_envs", _positive_int)
+    _field_flag(p, RunConfig, "n_steps", _positive_int)
+    _field_flag(p, TrainConfig, "total_steps", _positive_int)
+    _field_flag(p, RunConfig, "seed", _non_negative_int)
+    _field_flag(p, RunConfig, "value_head", str, choices=VALUE_HEADS)
+    _field_flag(p, TrainConfig, "checkpoint_every", _non_negative_int)
     p.add_argument("--out", default=None,
                    help="run folder (default: a new runs/train-<date>-<time>)")
     p.add_argument("--resume", default=None, metavar="DIR",
