@@ -142,14 +142,14 @@ def test_parts_recorded_one_by_one_merge_into_what_one_run_writes(tmp_path):
 def test_an_interrupted_part_keeps_its_finished_rows(tmp_path, monkeypatch):
     import labkit.measure.bench
 
-    measure = labkit.measure.bench.measure_stage
+    measure = labkit.measure.bench.measure_stages
 
-    def stopped_at_stage_4(stage, *args, **kwargs):
-        if stage.index == 4:
+    def stopped_at_stage_4(stages, *args, **kwargs):
+        if any(s.index == 4 for s in stages):
             raise KeyboardInterrupt
-        return measure(stage, *args, **kwargs)
+        return measure(stages, *args, **kwargs)
 
-    monkeypatch.setattr(labkit.measure.bench, "measure_stage", stopped_at_stage_4)
+    monkeypatch.setattr(labkit.measure.bench, "measure_stages", stopped_at_stage_4)
     with pytest.raises(KeyboardInterrupt):
         _record(tmp_path, "ladder", run="cut")
     result = json.loads((tmp_path / "ladder_cpu_tiny.json").read_text())
@@ -159,7 +159,7 @@ def test_an_interrupted_part_keeps_its_finished_rows(tmp_path, monkeypatch):
     log = json.loads((tmp_path / "record_log_cpu_tiny.json").read_text())["parts"]
     assert (log["ladder-3"]["status"], log["ladder-4"]["status"]) == ("done", "interrupted")
     # the rest, recorded later, completes the file
-    monkeypatch.setattr(labkit.measure.bench, "measure_stage", measure)
+    monkeypatch.setattr(labkit.measure.bench, "measure_stages", measure)
     _record(tmp_path, "ladder-4", run="cut")
     result = json.loads((tmp_path / "ladder_cpu_tiny.json").read_text())
     assert [r["stage"] for r in result["ladder"]] == [3, 4]
@@ -258,10 +258,10 @@ def test_one_row_model_renders_text_and_markdown_alike():
     skipped = {"stage": 8, "name": "cuda_graphs", "n_envs": 32, "status": "skipped: needs CUDA"}
     text = tables.LADDER.text([ok, skipped]).splitlines()
     md = tables.LADDER.markdown([ok, skipped]).splitlines()
-    cells = ["3", "batched_ops", "32", "5,047", "2.9", "-", "294", "0.40", "8,974", "56.2", "-",
-             "fp32"]
-    assert text[2].split() == cells
-    assert [c.strip() for c in md[2].strip("|").split("|")] == cells
+    cells = ["3", "batched_ops", "32", "5,047", "-", "2.9", "-", "294", "0.40", "8,974", "56.2",
+             "-", "fp32"]
+    assert text[2].split() == cells  # a row without a spread or a verdict (an older record)
+    assert [c.strip() for c in md[2].strip("|").split("|")] == [*cells, ""]
     assert text[3].split() == ["8", "cuda_graphs", "32", "skipped:", "needs", "CUDA"]
     assert md[3].startswith("| 8 | cuda_graphs | 32 | skipped: needs CUDA |")
     assert md[3].count("|") == md[0].count("|") == len(tables.LADDER.columns) + 1

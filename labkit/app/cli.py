@@ -99,6 +99,7 @@ def cmd_ladder(args: argparse.Namespace) -> int:
     from ..files import check_output_dir, write_json
     from ..measure.bench import (
         format_ladder,
+        format_noise,
         format_phases,
         format_scaling,
         ladder_plan,
@@ -127,7 +128,7 @@ def cmd_ladder(args: argparse.Namespace) -> int:
 
     with stop_signals():
         result = run_ladder(cfg, device, stages=args.stages, scaling=not args.no_scaling,
-                            profile=profile, progress=progress)
+                            profile=profile, progress=progress, threads=args.threads)
     bar.n = bar.total
     bar.close()
     print(format_ladder(result))
@@ -135,6 +136,8 @@ def cmd_ladder(args: argparse.Namespace) -> int:
         print("\nwhere an iteration goes:\n" + format_phases(result))
     if result["scaling"]:
         print("\nscaling sweep:\n" + format_scaling(result))
+    if format_noise(result):
+        print("\n" + format_noise(result))
     if result.get("interrupted"):
         stem += "_partial"
     out = write_json(out_dir / f"{stem}.json", result)
@@ -206,7 +209,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"the run in {out} is already complete ({s['steps']:,} steps); nothing to do")
         return 0
     rate = s["steps_per_s"]
-    print(f"trained {s['steps']:,} steps ({s['stage']} on {s['device']}) in {s['wall_s']:.0f} s: "
+    print(f"trained {s['steps']:,} steps ({s['stage']} on {s['device']}, "
+          f"{s['threads']} CPU thread(s)) in {s['wall_s']:.0f} s: "
           f"final mean return {_num(s['final_mean_return'], '.2f')}, "
           f"{_num(rate, ',.0f')} steps/s this session"
           + (f" over {s['world_size']} processes" if s["world_size"] > 1 else "")
@@ -378,6 +382,9 @@ def _add_ladder(sub) -> None:
     _field_flag(p, RunConfig, "n_steps", _positive_int, default_note=profile)
     _field_flag(p, BenchConfig, "iterations", _int_at_least(2), default_note=profile)
     _field_flag(p, BenchConfig, "scaling_n_envs", _positive_int, nargs="+", default_note=profile)
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch intra-op threads on the CPU (default: the cores no other "
+                        "process is running on; see labkit.measure.noise)")
     p.add_argument("--no-scaling", action="store_true", help="skip the scaling sweep")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default="results", help="folder for JSON and PNG")

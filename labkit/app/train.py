@@ -447,6 +447,7 @@ class _Session:
         parts = self.group.gather(_rank_part(self.state))
         if self.main:
             payload = {"config": self.cfg.to_dict(), "device": str(self.device),
+                       "threads": torch.get_num_threads(),
                        "wall_s": self.state_wall, "state": self.state.to_dict()}
             if self.group.world > 1:
                 payload["ranks"] = parts
@@ -500,6 +501,7 @@ class _Session:
         final_return, final_length = _final_means(self.recent)
         return {
             "stage": self.cfg.stage, "device": str(self.device),
+            "threads": torch.get_num_threads(),
             "complete": end == self.cfg.n_iterations, "iterations": end, "steps": end * spi,
             "world_size": self.group.world,
             "params_identical_on_all_ranks": len(set(checksums)) == 1,
@@ -517,13 +519,17 @@ class _Session:
 
 def _start_of(cfg: TrainConfig, saved: dict | None, out: Path, device: torch.device) -> int:
     """The iteration the run goes on from: 0, or the checkpoint's (refused on another kind of
-    device, or when the run is complete without its summary)."""
+    device, or when the run is complete without its summary), with torch's intra-op thread
+    count set to the one the checkpoint was written with."""
     if saved is None:
         return 0
     if torch.device(saved["device"]).type != device.type:
         raise ValueError(f"{out / checkpoint.FILENAME} was written on {saved['device']}; resume "
                          f"it on the same kind of device (got {device}): the sampling "
                          "generator's state is device-specific")
+    if isinstance(saved.get("threads"), int) and saved["threads"] != torch.get_num_threads():
+        # CPU kernels may split a reduction by thread: the same count resumes bit for bit
+        torch.set_num_threads(saved["threads"])
     start = saved["state"]["iteration"]
     if start == cfg.n_iterations and not (out / SUMMARY).exists():
         raise ValueError(f"the run in {out} is complete ({start} iterations); nothing to resume")

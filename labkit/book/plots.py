@@ -17,22 +17,37 @@ def _title(result: dict) -> str:
     return f"{m['device_name']} · torch {m['torch']} · {m.get('profile') or ''}".strip(" ·")
 
 
+def _range(rows: list[dict]) -> list[list[float]]:
+    """Error bars from each row's min / median / max rate (none where a row has no spread)."""
+    lows, highs = [], []
+    for r in rows:
+        lo, mid, hi = r.get("sps_spread") or (math.nan,) * 3
+        lows.append(mid - lo)
+        highs.append(hi - mid)
+    return [lows, highs]
+
+
 def ladder_bars(result: dict, ax=None):
-    """Env steps/s per stage on a log axis; skipped stages are labelled, not drawn."""
+    """Env steps/s per stage on a log axis, each bar with the min-max range of its timed
+    iterations (orange: marked noisy); skipped stages are labelled, not drawn."""
     plt = _plt()
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 4))
     rows = result["ladder"]
     names = [f"{r['stage']} {r['name']}" for r in rows]
     values = [r["sps"] if r.get("status") == "ok" else 0 for r in rows]
-    ax.bar(range(len(rows)), [v or math.nan for v in values], color="tab:blue")
+    noisy = [bool(r.get("noisy")) for r in rows]
+    ax.bar(range(len(rows)), [v or math.nan for v in values],
+           color=["tab:orange" if n else "tab:blue" for n in noisy],
+           yerr=_range(rows), capsize=3, ecolor="black")
     ax.set_yscale("log")
     ax.set_xticks(range(len(rows)), names, rotation=30, ha="right")
     ax.set_ylabel("env steps / s (PPO iteration)")
     ax.set_title(f"The ladder, N={rows[0]['n_envs']} — {_title(result)}")
     for i, r in enumerate(rows):
         if r.get("status") == "ok":
-            ax.annotate(f"{r['sps']:,.0f}", (i, r["sps"]), ha="center", va="bottom", fontsize=8)
+            ax.annotate(f"{r['sps']:,.0f}" + (" noisy" if r.get("noisy") else ""),
+                        (i, r["sps"]), ha="center", va="bottom", fontsize=8)
         else:  # "skipped: needs CUDA" or "error: ...", wrapped to the bar's width
             label = textwrap.shorten(r["status"], 60, placeholder=" …")
             ax.annotate(textwrap.fill(label, 14), (i, 0.05), xycoords=("data", "axes fraction"),
@@ -43,17 +58,22 @@ def ladder_bars(result: dict, ax=None):
 
 
 def scaling_lines(result: dict, ax=None):
-    """Env steps/s against N for each stage of the scaling sweep (log-log)."""
+    """Env steps/s against N for each stage of the scaling sweep (log-log), with each point's
+    min-max range; a ring marks a noisy point."""
     plt = _plt()
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 4))
     by_stage: dict[str, list] = {}
     for r in result["scaling"]:
         if r.get("status") == "ok":
-            by_stage.setdefault(f"{r['stage']} {r['name']}", []).append((r["n_envs"], r["sps"]))
-    for name, points in by_stage.items():
-        xs, ys = zip(*sorted(points))
-        ax.plot(xs, ys, marker="o", label=name)
+            by_stage.setdefault(f"{r['stage']} {r['name']}", []).append(r)
+    for name, rows in by_stage.items():
+        rows = sorted(rows, key=lambda r: r["n_envs"])
+        xs, ys = [r["n_envs"] for r in rows], [r["sps"] for r in rows]
+        line = ax.errorbar(xs, ys, yerr=_range(rows), marker="o", capsize=3, label=name)
+        bad = [(x, y) for x, y, r in zip(xs, ys, rows) if r.get("noisy")]
+        if bad:  # a hollow ring round each noisy point
+            ax.scatter(*zip(*bad), s=120, facecolors="none", edgecolors=line[0].get_color())
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("N (parallel envs)")

@@ -19,18 +19,20 @@ import signal
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from ..capture import warmup
-from ..config import BenchConfig, RunConfig
+from ..config import BenchConfig, RunConfig, available_memory, memory_estimate
 from ..device import run_metadata, synchronize
 from ..policy import flops_per_sample
 from ..ppo import Batch
 from ..signals import signum_of
 from ..stages import STAGES, Pipeline, Stage, StageSkipped, get_stage
 from ..timing import PHASES, lap_cost_s, time_calls, timed
-from . import tables
+from . import noise, tables
+from .noise import Wait
 from .syncmeter import SyncMeter
 
 PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -91,25 +93,53 @@ def compute_ceiling(pipe: Pipeline, batch, repeats: int) -> float:
     return timings.median
 
 
-def _steady_state(pipe: Pipeline, cfg: BenchConfig) -> tuple[list, list, list, list]:
-    """Timed iterations after the warmup, plain and phase-marked in turn, until
-    ``cfg.iterations`` of each (at least 2 whatever the time budget): their seconds, the
-    marked ones' phases, and the learning curve along the way."""
-    plain: list[float] = []
-    marked: list[float] = []
-    phases: list[dict] = []
-    curve: list[dict] = []
-    budget_end = time.perf_counter() + cfg.stage_timeout_s
-    start = time.perf_counter()
-    while len(plain) < cfg.iterations and (len(plain) < 2 or time.perf_counter() < budget_end):
+@dataclass
+class _Timing:
+    """One stage's timed iterations as they accumulate over the rounds of its group."""
+
+    pipe: Pipeline
+    row: dict
+    plain: list[float] = field(default_factory=list)
+    marked: list[float] = field(default_factory=list)
+    phases: list[dict] = field(default_factory=list)
+    curve: list[dict] = field(default_factory=list)
+    wait_s: float = 0.0
+    wall_s: float = 0.0
+    source: str = "schedstat"
+
+    def sample(self, start: float) -> None:
+        """One plain and one phase-marked iteration, with the run-queue wait around each."""
         for is_marked in (False, True):
-            seconds, ms, out = timed_iteration(pipe, is_marked)
-            (marked if is_marked else plain).append(seconds)
+            with Wait() as w:
+                seconds, ms, out = timed_iteration(self.pipe, is_marked)
+            self.wait_s, self.wall_s, self.source = (self.wait_s + w.seconds,
+                                                     self.wall_s + w.wall_s, w.source)
+            (self.marked if is_marked else self.plain).append(seconds)
             if is_marked:
-                phases.append(ms)
-            curve.append({"steps": pipe.global_step, "wall_s": time.perf_counter() - start,
-                          "mean_return": out["mean_return"]})
-    return plain, marked, phases, curve
+                self.phases.append(ms)
+            self.curve.append({"steps": self.pipe.global_step,
+                               "wall_s": time.perf_counter() - start,
+                               "mean_return": out["mean_return"]})
+
+
+def _steady_state(timings: list[_Timing], cfg: BenchConfig) -> None:
+    """Timed iterations after the warmup, in rounds: each round times one plain and one
+    phase-marked iteration of every stage in turn, so a machine that slows down during the run
+    slows every stage alike instead of the later ones. A stage stops after ``cfg.iterations``
+    rounds, or once ``cfg.stage_timeout_s`` of its own time was spent and it has 3 (a stage
+    that raises is marked and leaves the rounds)."""
+    start = time.perf_counter()
+    least = min(3, cfg.iterations)
+    for i in range(cfg.iterations):
+        for t in timings:
+            if t.row.get("status", "ok") != "ok":
+                continue
+            if i >= least and t.wall_s > cfg.stage_timeout_s:
+                continue
+            try:
+                t.sample(start)
+            except Exception as err:  # one broken stage must not lose the others' results
+                t.row["status"] = _error_status(err)
 
 
 def _metered_iteration(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter, Batch]:
@@ -132,34 +162,53 @@ def _work_flops(run: RunConfig) -> float:
             + run.n_envs * flops["forward"])
 
 
-def _measure_pipe(pipe: Pipeline, cfg: BenchConfig, row: dict, lap_cost: float,
-                  peaks: dict[str, float] | None) -> None:
-    """Fill ``row`` with what :func:`measure_stage` measures of ``pipe``, as it goes (a stage
-    that fails half-way keeps the figures it got)."""
-    run, device = cfg.run, pipe.device
-    row["precision"] = pipe.precision.name
-    row["warmup_s"] = warmup(pipe)
-    plain, marked, phases, curve = _steady_state(pipe, cfg)
+def _build(stage: Stage, run: RunConfig, device: torch.device, row: dict) -> Pipeline | None:
+    """The stage's pipeline, warmed up (``row["warmup_s"]``, its peak memory), or None with
+    ``row["status"]`` saying why not."""
+    gc.collect()  # a previous pipeline in a reference cycle must not hold its buffers
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    pipe = None
+    try:
+        pipe = Pipeline(stage, run, device)
+        row["precision"] = pipe.precision.name
+        row["warmup_s"] = warmup(pipe)
+        mem, row["mem_kind"] = _peak_memory(device)
+        row["peak_mem_mb"] = mem - base / 2**20
+        return pipe
+    except Exception as err:
+        row["status"] = _error_status(err)
+        if pipe is not None:
+            pipe.close()
+        return None
+
+
+def _finish(t: _Timing, cfg: BenchConfig, lap_cost: float, peaks: dict | None) -> None:
+    """Fill ``t.row`` from its timed iterations, one metered iteration (host reads) and the
+    compute ceiling."""
+    pipe, row, run, plain = t.pipe, t.row, cfg.run, t.plain
     laps = pipe.clock.laps
     m_roll, m_upd, batch = _metered_iteration(pipe)
     ceiling_s = compute_ceiling(pipe, batch, cfg.iterations)
     it_s = statistics.median(plain)
     samples = run.n_envs * run.n_steps
-    mem, mem_kind = _peak_memory(device)
     row.update({
         "status": "ok", "iterations": len(plain), "iteration_s": it_s,
         "iteration_s_spread": [min(plain), it_s, max(plain)],
-        "sps": samples / it_s,
-        "phase_ms": {k: statistics.median(p.get(k, 0.0) for p in phases)
-                     for k in PHASES if any(k in p for p in phases)},
-        "marked_iteration_s": statistics.median(marked),
+        "sps": samples / it_s, "sps_spread": [samples / max(plain), samples / it_s,
+                                              samples / min(plain)],
+        "wait_share": t.wait_s / t.wall_s if t.wall_s else 0.0, "wait_source": t.source,
+        "phase_ms": {k: statistics.median(p.get(k, 0.0) for p in t.phases)
+                     for k in PHASES if any(k in p for p in t.phases)},
+        "marked_iteration_s": statistics.median(t.marked),
         "marks_per_iter": laps,
         "marks_overhead": laps * lap_cost / it_s,
-        "marks_ab": statistics.median(marked) / it_s - 1,
+        "marks_ab": statistics.median(t.marked) / it_s - 1,
         "ceiling_sps": samples / ceiling_s,
         "frac_of_ceiling": ceiling_s / it_s,
-        "peak_mem_mb": mem, "mem_kind": mem_kind,
-        "mean_return": curve[-1]["mean_return"], "curve": curve,
+        "mean_return": t.curve[-1]["mean_return"], "curve": t.curve,
         "host_reads_per_iter": m_roll.host_reads + m_upd.host_reads,
         "host_reads_rollout_per_step": m_roll.host_reads / run.n_steps,
         "host_reads_update": m_upd.host_reads,
@@ -167,47 +216,64 @@ def _measure_pipe(pipe: Pipeline, cfg: BenchConfig, row: dict, lap_cost: float,
         "flops_per_s": _work_flops(run) / it_s,
     })
     row["update_ms"] = row["phase_ms"].get("update", 0.0)
-    if device.type == "cuda":
+    if pipe.device.type == "cuda":
         row["cuda_syncs_per_iter"] = m_roll.cuda_syncs + m_upd.cuda_syncs
     if peaks and pipe.precision.name in peaks:
         row["frac_of_peak"] = row["flops_per_s"] / peaks[pipe.precision.name]
+    noise.judge(row)
+
+
+def measure_stages(stages: list, cfg: BenchConfig, device: torch.device,
+                   peaks: dict[str, float] | None = None, lap_cost: float | None = None
+                   ) -> list[dict]:
+    """Measure ``stages`` at ``cfg.run.n_envs`` x ``cfg.run.n_steps``, one row each: a dict of
+    figures with its noise verdict, or a ``status`` saying why not (``skipped: ...`` or
+    ``error: ...``). Each is built and warmed up in turn, then their timed iterations are
+    interleaved in rounds (all pipelines alive at once, if their memory estimates fit
+    together; else one stage at a time, ``interleaved`` says with how many). ``peaks``
+    (matmul FLOP/s per precision name, measured on this device) gives ``frac_of_peak`` at the
+    stage's own precision; ``lap_cost`` (seconds per phase mark, measured if not given) turns
+    the marks per iteration into their overhead."""
+    stages, run = [get_stage(s) for s in stages], cfg.run
+    lap_cost = lap_cost if lap_cost is not None else lap_cost_s(device)
+    free = available_memory(device)
+    if len(stages) > 1 and free is not None and memory_estimate(run) * len(stages) > free / 2:
+        return [row for s in stages for row in measure_stages([s], cfg, device, peaks, lap_cost)]
+    rows, timings = [], []
+    for stage in stages:
+        row = {"stage": stage.index, "name": stage.name, "lesson": stage.lesson,
+               "n_envs": run.n_envs, "n_steps": run.n_steps}
+        rows.append(row)
+        try:
+            stage.check(device)  # the size was checked by ladder_plan
+        except StageSkipped as err:
+            row["status"] = f"skipped: {err.reason}"
+            continue
+        pipe = _build(stage, run, device, row)
+        if pipe is not None:
+            timings.append(_Timing(pipe, row))
+    try:
+        _steady_state(timings, cfg)
+        for t in timings:
+            t.row["interleaved"] = len(timings)
+            if t.row.get("status", "ok") == "ok":
+                try:
+                    _finish(t, cfg, lap_cost, peaks)
+                except Exception as err:  # one broken stage must not lose the others' results
+                    t.row["status"] = _error_status(err)
+    finally:
+        for t in timings:
+            try:
+                t.pipe.close()
+            except Exception as err:
+                t.row["status"] = _error_status(err)
+    return rows
 
 
 def measure_stage(stage: Stage, cfg: BenchConfig, device: torch.device,
                   peaks: dict[str, float] | None = None, lap_cost: float | None = None) -> dict:
-    """Measure one stage at ``cfg.run.n_envs`` x ``cfg.run.n_steps``; a dict of figures or a
-    ``status`` saying why not (``skipped: ...`` or ``error: ...``). ``peaks`` (matmul FLOP/s
-    per precision name, measured on this device) gives ``frac_of_peak`` at the stage's own
-    precision; ``lap_cost`` (seconds per phase mark, measured if not given) turns the marks per
-    iteration into their overhead."""
-    stage = get_stage(stage)
-    run = cfg.run
-    row: dict = {"stage": stage.index, "name": stage.name, "lesson": stage.lesson,
-                 "n_envs": run.n_envs, "n_steps": run.n_steps}
-    try:
-        stage.check(device)  # the size was checked by ladder_plan
-    except StageSkipped as err:
-        return {**row, "status": f"skipped: {err.reason}"}
-    # The previous stage's pipeline may still sit in a reference cycle; its buffers must not
-    # count against this one's memory.
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    pipe = None
-    try:
-        pipe = Pipeline(stage, run, device)
-        _measure_pipe(pipe, cfg, row, lap_cost if lap_cost is not None else lap_cost_s(device),
-                      peaks)
-    except Exception as err:  # one broken stage must not lose the others' results
-        row = {**row, "status": _error_status(err)}
-    finally:
-        if pipe is not None:
-            try:
-                pipe.close()
-            except Exception as err:
-                row = {**row, "status": _error_status(err)}
-    return row
+    """One stage's row (see :func:`measure_stages`)."""
+    return measure_stages([stage], cfg, device, peaks, lap_cost)[0]
 
 
 def _error_status(err: Exception, limit: int = 300) -> str:
@@ -256,8 +322,9 @@ def ladder_plan(cfg: BenchConfig, device: torch.device, stages: list | None = No
         raise ValueError("stages must name at least one stage")
     todo = [(s, cfg) for s in stages] if ladder else []
     if scaling:
-        todo += [(s, cfg.replace(n_envs=n)) for s in stages if s.scales
-                 for n in cfg.scaling_n_envs]
+        for n in cfg.scaling_n_envs:  # N by N: the stages at one N are measured together
+            at_n = cfg.replace(n_envs=n)
+            todo += [(s, at_n) for s in stages if s.scales]
     for s, c in todo:
         try:
             s.check(device, c.run)
@@ -283,7 +350,7 @@ def run_ladder(cfg: BenchConfig, device: torch.device, stages: list[Stage] | Non
                scaling: bool = True, profile: str | None = None,
                progress: Callable[[int, int, str], None] | None = None, ladder: bool = True,
                on_row: Callable[[str, dict, dict], None] | None = None,
-               calibration: dict | None = None) -> dict:
+               calibration: dict | None = None, threads: int | None = None) -> dict:
     """The ladder (every stage at one N, T) and the scaling sweep (the stages whose env is
     vectorized on the device, over ``cfg.scaling_n_envs``); ``ladder=False``: the sweep only.
 
@@ -292,41 +359,75 @@ def run_ladder(cfg: BenchConfig, device: torch.device, stages: list[Stage] | Non
     at once. A KeyboardInterrupt (or a stop signal under :func:`labkit.signals.stop_signals`)
     ends the sweep early: the result keeps every measurement that finished and says
     ``"interrupted": "<signal name>"``. ``calibration`` (from :func:`calibrate`, for parts
-    of one run measured by several calls) is measured here if not given."""
+    of one run measured by several calls) is measured here if not given.
+
+    Noise: on the CPU, torch's intra-op threads are set for the run by
+    :func:`labkit.measure.noise.choose_threads` (``threads`` overrides; restored afterwards);
+    each row carries its spread, run-queue wait and noise verdict, and ``result["noise"]`` the
+    run's (how many rows are noisy, the load before and after, one line to print)."""
     todo = ladder_plan(cfg, device, stages, scaling, ladder)
-    stages = [s for s, c in todo if c is cfg and ladder]
-    cal = calibration if calibration is not None else calibrate(device, [s for s, _ in todo])
-    peaks, lap_cost = cal["peaks"], cal["lap_cost_s"]
-    result = {"meta": run_metadata(device, profile), "config": cfg.to_dict(), **cal,
-              "ladder": [], "scaling": []}
+    load_before, saved_threads = noise.load(), torch.get_num_threads()
+    threads_note = noise.choose_threads(device, threads)
     try:
-        for i, (stage, c) in enumerate(todo):
-            if progress:
-                progress(i, len(todo), f"{stage.name} N={c.run.n_envs}")
-            row = measure_stage(stage, c, device, peaks=peaks, lap_cost=lap_cost)
-            section = "ladder" if i < len(stages) else "scaling"
-            result[section].append(row)
-            if on_row:
-                on_row(section, row, result)
-    except KeyboardInterrupt as stop:
-        result["interrupted"] = signal.Signals(signum_of(stop)).name
+        cal = calibration if calibration is not None else calibrate(device, [s for s, _ in todo])
+        result = {"meta": run_metadata(device, profile), "config": cfg.to_dict(), **cal,
+                  "threads": threads_note, "ladder": [], "scaling": []}
+        _measure_plan(todo, cfg, device, cal, result, progress, on_row)
+    finally:
+        torch.set_num_threads(saved_threads)
     add_ratios(result["ladder"])
+    result["noise"] = noise.summary(result["ladder"] + result["scaling"], load_before,
+                                    noise.load(), threads_note["cores"])
     top = headline(result)
     if top:
         result["headline"] = top
     return result
 
 
+def _measure_plan(todo: list, cfg: BenchConfig, device: torch.device, cal: dict, result: dict,
+                  progress: Callable | None, on_row: Callable | None) -> None:
+    """Measure ``todo`` into ``result`` a group at a time (the ladder at its N, then each N of
+    the sweep), each group's stages interleaved; a stop keeps the groups that finished."""
+    groups: dict[tuple[str, int], tuple[BenchConfig, list]] = {}
+    for stage, c in todo:  # the plan's order: the ladder, then the sweep N by N
+        key = ("ladder" if c is cfg else "scaling", c.run.n_envs)
+        groups.setdefault(key, (c, []))[1].append(stage)
+    done = 0
+    try:
+        for (section, _), (c, stages) in groups.items():
+            if progress:
+                progress(done, len(todo), f"{len(stages)} stage(s) at N={c.run.n_envs}")
+            for row in measure_stages(stages, c, device, peaks=cal["peaks"],
+                                      lap_cost=cal["lap_cost_s"]):
+                result[section].append(row)
+                if on_row:
+                    on_row(section, row, result)
+            done += len(stages)
+    except KeyboardInterrupt as stop:
+        result["interrupted"] = signal.Signals(signum_of(stop)).name
+
+
 def format_ladder(result: dict) -> str:
     """The ladder table as text, with the device it was measured on."""
     m = result["meta"]
+    threads = result.get("threads")
     lines = [tables.LADDER.text(result["ladder"]),
              f"device: {m['device_name']} ({m['device']}), torch {m['torch']}, "
-             f"peak {result['peak_flops'] / 1e9:.1f} GFLOP/s ({result['peak_dtype']} matmul)"]
+             f"peak {result['peak_flops'] / 1e9:.1f} GFLOP/s ({result['peak_dtype']} matmul)"
+             + (f", {threads['threads']} thread(s) ({threads['chosen_by']})" if threads else "")]
     if result.get("interrupted"):
         lines.append(f"PARTIAL: interrupted by {result['interrupted']}; what is not listed did "
                      "not run")
     return "\n".join(lines)
+
+
+def format_noise(result: dict) -> str:
+    """Why each noisy row is noisy, then the run's verdict line ("" for a result without)."""
+    if "noise" not in result:
+        return ""
+    rows = [r for s in ("ladder", "scaling") for r in result.get(s, []) if r.get("noisy")]
+    return "\n".join([f"noisy: {r['name']} N={r['n_envs']}: {'; '.join(r['noise'])}"
+                      for r in rows] + [result["noise"]["line"]])
 
 
 def phase_table(result: dict) -> tables.Table:

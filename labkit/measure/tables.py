@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from .noise import spread
+
 
 def fmt(value: float | None, spec: str = ",.0f") -> str:
     """``value`` formatted by ``spec``, or ``-`` where there is none."""
@@ -70,7 +72,19 @@ def _pct(key: str, spec: str = ".1f") -> Callable[[dict], str]:
     return lambda r: fmt(100 * r[key] if r.get(key) is not None else None, spec)
 
 
+def _spread(r: dict) -> str:
+    seconds = r.get("iteration_s_spread")
+    return fmt(100 * spread(*seconds) if seconds else None, ".0f")
+
+
+def _noise(r: dict) -> str:
+    return "noisy" if r.get("noisy") else ""
+
+
 _INDEX = Column("#", "#", lambda r: str(r["stage"]), 2)
+#: The farthest timed iteration from the median, in % of it, and the row's noise verdict.
+_SPREAD = Column("±%", "spread %", _spread, 4)
+_NOISE = Column("noise", "noise", _noise, 5, left=True)
 _NAME = Column("stage", "stage", lambda r: r["name"], 15, left=True)
 
 #: The ladder: one row per stage at one N (``run_ladder``'s ``result["ladder"]``).
@@ -78,6 +92,7 @@ LADDER = Table((
     _INDEX, _NAME,
     Column("N", "N", lambda r: str(r["n_envs"]), 6),
     Column("sps", "env steps/s", lambda r: fmt(r["sps"]), 10),
+    _SPREAD,
     Column("x st0", "x stage 0", lambda r: fmt(r.get("x_vs_stage0"), ".1f"), 6),
     Column("x prev", "x prev", lambda r: fmt(r.get("x_vs_prev"), ".2f"), 6),
     Column("reads/it", "host reads / iter", lambda r: str(r["host_reads_per_iter"]), 8),
@@ -86,6 +101,7 @@ LADDER = Table((
     Column("% ceil", "% of ceiling", _pct("frac_of_ceiling"), 6),
     Column("% peak", "% of peak", _pct("frac_of_peak", ".2f"), 6),
     Column("precision", "precision", lambda r: r["precision"], 9, left=True),
+    _NOISE,
 ), keys=3)
 
 #: The scaling sweep: one row per stage and N (``result["scaling"]``).
@@ -93,7 +109,9 @@ SCALING = Table((
     _INDEX, _NAME,
     Column("N", "N", lambda r: str(r["n_envs"]), 7),
     Column("sps", "env steps/s", lambda r: fmt(r["sps"]), 12),
+    _SPREAD,
     Column("% ceil", "% of ceiling", _pct("frac_of_ceiling"), 7),
+    _NOISE,
 ), keys=3)
 
 
