@@ -83,7 +83,8 @@ class BenchConfig:
     iterations: int = 3
     """Rounds of steady-state iterations timed per stage, one plain and one phase-marked each,
     interleaved with the other stages at the same N (the warmup is extra); 3 or more give each
-    figure a min / median / max."""
+    figure a min / median / max, 5 an interquartile range that one stray iteration barely
+    moves."""
     scaling_n_envs: tuple[int, ...] = (64, 256, 1024)
     """N values of the scaling sweep (the stages whose env is vectorized on the device)."""
     stage_timeout_s: float = 120.0
@@ -114,7 +115,7 @@ class BenchConfig:
         presets = {
             "tiny": dict(run=dict(n_envs=8, n_steps=16), iterations=2, scaling_n_envs=(8,),
                          stage_timeout_s=10.0),
-            "quick": dict(run=dict(n_envs=32, n_steps=64), iterations=3,
+            "quick": dict(run=dict(n_envs=32, n_steps=64), iterations=5,
                           scaling_n_envs=(16, 64, 256), stage_timeout_s=30.0),
             "full": dict(run=dict(n_envs=1024, n_steps=128), iterations=5,
                          scaling_n_envs=(256, 1024, 4096, 16384, 65536), stage_timeout_s=120.0),

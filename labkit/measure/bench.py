@@ -1,15 +1,18 @@
 """The benchmark harness: every stage measured the same way.
 
 Per stage: build the pipeline, run one warmup iteration off the clock (``warmup_s``: compile,
-capture, autotune) and restore its state, then time steady-state iterations, alternately
-without and with the phase clock: the unmarked ones give the headline ``sps``, the marked ones
-``phase_ms`` (where the iteration went), and the pair the marks' own overhead. On CUDA the host
-synchronizes only at iteration boundaries (phases are CUDA events); on the CPU the clock is
-``time.perf_counter``. One more iteration runs under the sync meter to count host reads.
-Last, the **compute ceiling**: the same stage's model work alone (T policy forwards over N
-envs and the whole update, on tensors already in place, no env, no logging) at its precision,
-so ``frac_of_ceiling`` says how much of an iteration is still overhead.
-Nothing is extrapolated: every figure comes from iterations that ran.
+capture, autotune) and restore its state. Then the stages at one N are timed together, in
+rounds: each round runs one unmarked and one phase-marked iteration of every stage in turn, so
+a machine that slows down half-way slows them alike. The unmarked iterations give the headline
+``sps`` (median) and its spread, the marked ones ``phase_ms`` (where the iteration went), and
+the pair the marks' own overhead. On CUDA the host synchronizes only at iteration boundaries
+(phases are CUDA events); on the CPU the clock is ``time.perf_counter``. One more iteration
+runs under the sync meter to count host reads. Last, the **compute ceiling**: the same stage's
+model work alone (T policy forwards over N envs and the whole update, on tensors already in
+place, no env, no logging) at its precision, timed in rounds too, so ``frac_of_ceiling`` says
+how much of an iteration is still overhead. Every row gets a noise verdict
+(:mod:`labkit.measure.noise`). Nothing is extrapolated: every figure comes from iterations
+that ran.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from ..policy import flops_per_sample
 from ..ppo import Batch
 from ..signals import signum_of
 from ..stages import STAGES, Pipeline, Stage, StageSkipped, get_stage
-from ..timing import PHASES, lap_cost_s, time_calls, timed
+from ..timing import PHASES, lap_cost_s, timed
 from . import noise, tables
 from .noise import Wait
 from .syncmeter import SyncMeter
@@ -73,24 +76,21 @@ def timed_iteration(pipe: Pipeline, marked: bool) -> tuple[float, dict[str, floa
     return elapsed, (pipe.clock.stop() if marked else {}), out
 
 
-def compute_ceiling(pipe: Pipeline, batch, repeats: int) -> float:
-    """Median seconds of the stage's model work alone: T policy forwards over N envs on a fixed
-    observation and the whole PPO update on ``batch``, through the stage's own executors and
-    precision. The pipeline's state is restored afterwards."""
-    saved = pipe.state_dict()
+def model_work(pipe: Pipeline, batch) -> Callable[[], None]:
+    """The stage's model work alone, what its compute ceiling times: T policy forwards over N
+    envs on a fixed observation and the whole PPO update on ``batch``, through the stage's own
+    executors and precision. It changes the pipeline's state (save and restore around it)."""
     obs = pipe.collector.next_obs()
-    policy_step = pipe.stage.rollout_executor.wrap_step(lambda: pipe.collector.act(obs), state=pipe,
-                                               generator=pipe.generator)
+    policy_step = pipe.stage.rollout_executor.wrap_step(
+        lambda: pipe.collector.act(obs), state=pipe, generator=pipe.generator)
 
-    def model_work() -> None:
+    def work() -> None:
         with torch.no_grad():
             for _ in range(pipe.cfg.n_steps):
                 policy_step()
         pipe.ppo_update(batch)
 
-    timings = time_calls(model_work, pipe.device, repeats)  # the first call captures/compiles
-    pipe.load_state_dict(saved)
-    return timings.median
+    return work
 
 
 @dataclass
@@ -106,6 +106,8 @@ class _Timing:
     wait_s: float = 0.0
     wall_s: float = 0.0
     source: str = "schedstat"
+    ceiling: list[float] = field(default_factory=list)
+    meters: tuple = ()
 
     def sample(self, start: float) -> None:
         """One plain and one phase-marked iteration, with the run-queue wait around each."""
@@ -140,6 +142,35 @@ def _steady_state(timings: list[_Timing], cfg: BenchConfig) -> None:
                 t.sample(start)
             except Exception as err:  # one broken stage must not lose the others' results
                 t.row["status"] = _error_status(err)
+
+
+def _ceilings(timings: list[_Timing], cfg: BenchConfig) -> None:
+    """Each stage's host reads (one metered iteration) and compute ceiling: its model work
+    called once untimed (it compiles or captures), then timed once per round in turn with the
+    other stages, like the iterations, and its state restored. The ceiling is the fastest call:
+    it is a bound, and noise only adds time."""
+    work = {}
+    for t in timings:
+        if t.row.get("status", "ok") != "ok":
+            continue
+        try:
+            m_roll, m_upd, batch = _metered_iteration(t.pipe)
+            t.meters = (m_roll, m_upd)
+            saved, fn = t.pipe.state_dict(), model_work(t.pipe, batch)
+            fn()
+            work[id(t)] = (saved, fn)
+        except Exception as err:  # one broken stage must not lose the others' results
+            t.row["status"] = _error_status(err)
+    for _ in range(cfg.iterations):
+        for t in timings:
+            if id(t) in work and t.row.get("status", "ok") == "ok":
+                try:
+                    t.ceiling.append(timed(work[id(t)][1], t.pipe.device)[0])
+                except Exception as err:
+                    t.row["status"] = _error_status(err)
+    for t in timings:
+        if id(t) in work:
+            t.pipe.load_state_dict(work[id(t)][0])
 
 
 def _metered_iteration(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter, Batch]:
@@ -186,17 +217,17 @@ def _build(stage: Stage, run: RunConfig, device: torch.device, row: dict) -> Pip
 
 
 def _finish(t: _Timing, cfg: BenchConfig, lap_cost: float, peaks: dict | None) -> None:
-    """Fill ``t.row`` from its timed iterations, one metered iteration (host reads) and the
-    compute ceiling."""
+    """Fill ``t.row`` from its timed iterations, its metered iteration (host reads) and its
+    compute ceiling, and judge it."""
     pipe, row, run, plain = t.pipe, t.row, cfg.run, t.plain
     laps = pipe.clock.laps
-    m_roll, m_upd, batch = _metered_iteration(pipe)
-    ceiling_s = compute_ceiling(pipe, batch, cfg.iterations)
+    m_roll, m_upd = t.meters
+    ceiling_s = min(t.ceiling)
     it_s = statistics.median(plain)
     samples = run.n_envs * run.n_steps
     row.update({
         "status": "ok", "iterations": len(plain), "iteration_s": it_s,
-        "iteration_s_spread": [min(plain), it_s, max(plain)],
+        "iteration_s_spread": [min(plain), it_s, max(plain)], "iteration_s_samples": plain,
         "sps": samples / it_s, "sps_spread": [samples / max(plain), samples / it_s,
                                               samples / min(plain)],
         "wait_share": t.wait_s / t.wall_s if t.wall_s else 0.0, "wait_source": t.source,
@@ -254,6 +285,7 @@ def measure_stages(stages: list, cfg: BenchConfig, device: torch.device,
             timings.append(_Timing(pipe, row))
     try:
         _steady_state(timings, cfg)
+        _ceilings(timings, cfg)
         for t in timings:
             t.row["interleaved"] = len(timings)
             if t.row.get("status", "ok") == "ok":
@@ -377,7 +409,7 @@ def run_ladder(cfg: BenchConfig, device: torch.device, stages: list[Stage] | Non
         torch.set_num_threads(saved_threads)
     add_ratios(result["ladder"])
     result["noise"] = noise.summary(result["ladder"] + result["scaling"], load_before,
-                                    noise.load(), threads_note["cores"])
+                                    noise.load(), threads_note["cores"], threads_note)
     top = headline(result)
     if top:
         result["headline"] = top

@@ -15,16 +15,21 @@ thread count for the CPU so that a busy neighbour cannot make every parallel op 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
 #: Bounds of the verdict: a row past any of them is marked noisy.
-SPREAD_BOUND = 0.25      # farthest timed iteration from the median, over the median (the "±")
-WAIT_BOUND = 0.05        # run-queue wait / wall time of the timed iterations
+SPREAD_BOUND = 0.25      # interquartile range of the timed iterations / their median
+WAIT_BOUND = 0.10        # run-queue wait / wall time of the timed iterations (see below)
 CEILING_BOUND = 1.0      # iteration time / compute ceiling's time (a stage cannot beat its work)
 AB_BOUND = 0.25          # |marked / plain - 1|
+
+# The wait bound sits above what a stage's own threads cause: on a quiet 2-core machine, an
+# async logger's thread beside torch's 2 intra-op threads waited up to 7.5% of the wall time;
+# beside one busy process, 2 intra-op threads waited 69-78% (issue 28's measurements).
 
 ADVICE = ("close what else is running (a browser, a build, another benchmark), or give the "
           "harness fewer threads (--threads 1), then run it again; compare only rows not "
@@ -83,21 +88,24 @@ class Wait:
         return self.seconds / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def spread(lo: float, mid: float, hi: float) -> float:
-    """How far the farthest sample lies from the median, as a share of it: the "±" of a
-    min / median / max (0 where the median is 0)."""
-    return max(hi - mid, mid - lo) / mid if mid > 0 else 0.0
+def spread(samples: list[float]) -> float:
+    """The interquartile range of ``samples`` over their median: how widely the middle half
+    of them disagrees (one stray sample of five moves it little; 0 for fewer than two)."""
+    if len(samples) < 2:
+        return 0.0
+    q1, mid, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return (q3 - q1) / mid if mid > 0 else 0.0
 
 
 def verdict(row: dict) -> list[str]:
     """Why ``row`` (a measured ladder or scaling row) cannot be trusted; [] if nothing says so.
-    It reads ``iteration_s_spread`` ([min, median, max] seconds), ``frac_of_ceiling``,
+    It reads ``iteration_s_samples`` (seconds of the timed iterations), ``frac_of_ceiling``,
     ``marks_ab`` and ``wait_share``; a figure the row lacks is not judged."""
     reasons = []
-    apart = spread(*(row.get("iteration_s_spread") or (0.0, 0.0, 0.0)))
+    apart = spread(row.get("iteration_s_samples") or [])
     if apart > SPREAD_BOUND:
-        reasons.append(f"iterations spread ±{100 * apart:.0f}% of their median "
-                       f"(> {100 * SPREAD_BOUND:.0f}%)")
+        reasons.append(f"the middle half of the iterations spans {100 * apart:.0f}% of their "
+                       f"median (> {100 * SPREAD_BOUND:.0f}%)")
     if row.get("frac_of_ceiling", 0.0) > CEILING_BOUND:
         reasons.append(f"faster than its own compute ceiling "
                        f"({100 * row['frac_of_ceiling']:.0f}% of it)")
@@ -134,10 +142,11 @@ def load() -> float | None:
         return None
 
 
-def others_running(samples: int = 5, gap_s: float = 0.02) -> int:
-    """Runnable tasks of other processes right now (``procs_running`` of ``/proc/stat``, less
-    this process's one, the most seen over ``samples`` reads), 0 where unknown."""
-    seen = 0
+def others_running(samples: int = 10, gap_s: float = 0.01) -> int:
+    """Other processes' tasks that stay runnable (``procs_running`` of ``/proc/stat`` less
+    this process's reading thread, the least seen over ``samples`` reads: a busy neighbour is
+    runnable in every read, a kernel worker waking for a moment is not), 0 where unknown."""
+    seen = None
     for i in range(samples):
         try:
             with open("/proc/stat", encoding="ascii") as f:
@@ -145,10 +154,10 @@ def others_running(samples: int = 5, gap_s: float = 0.02) -> int:
                                if line.startswith("procs_running"))
         except (OSError, StopIteration, ValueError):
             return 0
-        seen = max(seen, running - 1)
+        seen = running - 1 if seen is None else min(seen, running - 1)
         if i + 1 < samples:
             time.sleep(gap_s)
-    return seen
+    return max(0, seen or 0)
 
 
 def choose_threads(device: torch.device, threads: int | None = None) -> dict:
@@ -173,9 +182,12 @@ def choose_threads(device: torch.device, threads: int | None = None) -> dict:
             "chosen_by": chosen_by}
 
 
-def summary(rows: list[dict], before: float | None, after: float | None, n_cores: int) -> dict:
+def summary(rows: list[dict], before: float | None, after: float | None, n_cores: int,
+            threads: dict | None = None) -> dict:
     """The run's verdict: how many measured rows are noisy, the load around the run, and one
-    line to print."""
+    line to print. ``threads`` (from :func:`choose_threads`) adds that the run had fewer
+    threads than cores because other processes kept running: its rows are then comparable
+    with runs at that thread count, not with a quiet run on all cores."""
     measured = [r for r in rows if r.get("status") == "ok"]
     noisy = [r for r in measured if r.get("noisy")]
     loaded = [f"{when} {value:.1f}" for when, value in (("before", before), ("after", after))
@@ -184,5 +196,10 @@ def summary(rows: list[dict], before: float | None, after: float | None, n_cores
     if loaded:
         line += f"; load above the {n_cores} cores ({', '.join(loaded)})"
     line += f"; {ADVICE}" if noisy or loaded else "; nothing says these numbers are off"
+    if threads and threads.get("chosen_by") == "free cores" and threads["threads"] < n_cores:
+        line += (f". Timed with {threads['threads']} thread(s) of {n_cores} because "
+                 f"{threads['others_running']} other process(es) kept running: compare these "
+                 f"rows with runs at --threads {threads['threads']}, not with a quiet run on all "
+                 "cores")
     return {"noisy_rows": len(noisy), "rows": len(measured), "load_before": before,
             "load_after": after, "cores": n_cores, "line": line}

@@ -73,8 +73,8 @@ def _pct(key: str, spec: str = ".1f") -> Callable[[dict], str]:
 
 
 def _spread(r: dict) -> str:
-    seconds = r.get("iteration_s_spread")
-    return fmt(100 * spread(*seconds) if seconds else None, ".0f")
+    seconds = r.get("iteration_s_samples")
+    return fmt(100 * spread(seconds) if seconds else None, ".0f")
 
 
 def _noise(r: dict) -> str:
@@ -82,8 +82,8 @@ def _noise(r: dict) -> str:
 
 
 _INDEX = Column("#", "#", lambda r: str(r["stage"]), 2)
-#: The farthest timed iteration from the median, in % of it, and the row's noise verdict.
-_SPREAD = Column("±%", "spread %", _spread, 4)
+#: The timed iterations' interquartile range in % of their median, and the row's verdict.
+_SPREAD = Column("IQR%", "IQR % of median", _spread, 4)
 _NOISE = Column("noise", "noise", _noise, 5, left=True)
 _NAME = Column("stage", "stage", lambda r: r["name"], 15, left=True)
 
