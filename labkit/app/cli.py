@@ -208,11 +208,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if s.get("already_complete"):
         print(f"the run in {out} is already complete ({s['steps']:,} steps); nothing to do")
         return 0
-    rate = s["steps_per_s"]
     print(f"trained {s['steps']:,} steps ({s['stage']} on {s['device']}, "
           f"{s['threads']} CPU thread(s)) in {s['wall_s']:.0f} s: "
           f"final mean return {_num(s['final_mean_return'], '.2f')}, "
-          f"{_num(rate, ',.0f')} steps/s this session"
+          f"{_num(s['steps_per_s'], ',.0f')} steps/s this session"
           + (f" over {s['world_size']} processes" if s["world_size"] > 1 else "")
           + f"; wrote {out}")
     return 0
