@@ -139,5 +139,7 @@ def test_mean_return_and_bench_arguments() -> None:
         bench_envs("cpu", repeats=0)
     with pytest.raises(ValueError, match="device"):
         bench_envs("tpu")
-    with pytest.raises(ValueError, match="sizes and steps"):
-        bench_envs("cpu", sizes={"ForageJax": 4})
+    with pytest.raises(ValueError, match="n_envs"):
+        bench_envs("cpu", n_envs=(0,))
+    with pytest.raises(ValueError, match="n_envs must name"):
+        bench_envs("cpu", n_envs=())

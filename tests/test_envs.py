@@ -244,12 +244,33 @@ def test_oracle_beats_random() -> None:
 
 
 def test_bench_envs_small() -> None:
-    sizes = {"ForagePy": 2, "ForageNumpy": 8, "ForageTorchLoop": 2, "ForageTorch": 8}
-    result = bench_envs("cpu", repeats=2, sizes=sizes, steps=dict.fromkeys(sizes, 4), warmup=1)
-    assert [row["impl"] for row in result["rows"]] == list(sizes)
-    assert all(row["steps_per_s"] > 0 for row in result["rows"])
+    """Every implementation timed over whole episodes in interleaved rounds; the vectorized
+    ones at each N given; torch rows count their non-view aten ops per step."""
+    spec = ForageSpec(episode_length=8)
+    result = bench_envs("cpu", repeats=3, n_envs=(8, 16), spec=spec, loop_envs=2, warmup=1)
+    assert [(r["impl"], r["n_envs"]) for r in result["rows"]] == [
+        ("ForagePy", 2), ("ForageTorchLoop", 2), ("ForageNumpy", 8), ("ForageTorch", 8),
+        ("ForageNumpy", 16), ("ForageTorch", 16)]
+    assert result["steps_per_sample"] == 8
+    for row in result["rows"]:
+        lo, mid, hi = row["steps_per_s_spread"]
+        assert len(row["samples_s"]) == 3 and 0 < lo <= mid <= hi and mid == row["steps_per_s"]
+        assert (row["ops_per_step"] is None) == (row["impl"] in ("ForagePy", "ForageNumpy"))
+    torch_row = result["rows"][3]
+    assert 50 < torch_row["ops_per_step"] < 1000
     assert result["rows"][0]["ratio_vs_py"] == 1.0
-    assert "ForageTorchLoop" in format_table(result) and result["meta"]["torch"]
+    assert set(result["fastest"]) == {8, 16}
+    assert result["fastest"][16]["impl"] in ("ForageNumpy", "ForageTorch")
+    text = format_table(result)
+    assert "ForageTorchLoop" in text and "N=16: fastest" in text and result["meta"]["torch"]
+
+
+def test_dispatch_ops_counts_non_view_ops_below_wrappers() -> None:
+    from labkit.measure.profiling import dispatch_ops
+
+    x = torch.ones(4)
+    counts = dispatch_ops(lambda: (x.view(2, 2) + 1).t().sum())
+    assert counts == {"add": 1, "sum": 1}  # view and t launch nothing
 
 
 def test_observation_channels() -> None:

@@ -77,7 +77,8 @@ def cmd_bench_env(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     out = check_output_dir(args.out) / f"bench_env_{device.type}.json"
     _check_not_a_folder(out)
-    result = bench_envs(device=device, repeats=args.repeats)
+    result = bench_envs(device=device, repeats=args.repeats, n_envs=args.n_envs,
+                        compiled=args.compiled)
     print(format_table(result))
     write_json(out, result)
     print(f"wrote {out}")
@@ -362,7 +363,14 @@ class _Parser(argparse.ArgumentParser):
 def _add_bench_env(sub) -> None:
     p = sub.add_parser("bench-env", help="time each Forage implementation")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--repeats", type=_positive_int, default=5)
+    p.add_argument("--repeats", type=_positive_int, default=5,
+                   help="rounds, each timing one episode of every implementation in turn "
+                        "(default: %(default)s)")
+    p.add_argument("--n-envs", type=_positive_int, nargs="+", default=None,
+                   help="N of the vectorized implementations, the same for each (default: "
+                        "256 1024 4096 on the CPU, 4096 65536 on CUDA)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time torch.compile(ForageTorch.step) (minutes to compile on a CPU)")
     p.add_argument("--out", default="results", help="folder for the JSON")
     p.set_defaults(func=cmd_bench_env)
 

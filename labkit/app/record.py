@@ -422,10 +422,10 @@ class _Session:
     def bench_env(self) -> list[Path]:
         from ..measure.envbench import bench_envs
 
-        repeats = {"tiny": 1, "quick": 5, "full": 5}[self.profile]
-        sizes = {"ForagePy": 4, "ForageNumpy": 64, "ForageTorchLoop": 4,
-                 "ForageTorch": 256} if self.profile == "tiny" else None
-        result = bench_envs(device=self.device, repeats=repeats, sizes=sizes)
+        if self.profile == "tiny":
+            result = bench_envs(device=self.device, repeats=1, n_envs=(64,), loop_envs=4)
+        else:
+            result = bench_envs(device=self.device, repeats=5)
         result["meta"] = self.meta
         return [write_json(self.out / f"bench_env_{self.device.type}_{self.profile}.json",
                            result)]

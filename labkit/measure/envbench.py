@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -10,105 +11,156 @@ import torch
 from ..device import resolve_device, run_metadata, synchronize
 from ..envs.numpy import ForageNumpy
 from ..envs.python import ForagePy
-from ..envs.spec import N_ACTIONS, ForageSpec
+from ..envs.spec import N_ACTIONS, ForageSpec, check_n_envs
 from ..envs.torch import ForageTorch
 from ..envs.torch_loop import ForageTorchLoop
 from ..timing import timed
 from ..validate import check_int
 from . import tables
+from .profiling import dispatch_ops
 
 IMPLS = ("ForagePy", "ForageNumpy", "ForageTorchLoop", "ForageTorch")
+#: Implementations that step every env in one call, timed at each N of the sweep; the others
+#: loop over envs in Python and are timed at ``loop_envs`` only.
+VECTORIZED = ("ForageNumpy", "ForageTorch")
 
 
-def _time(step: Callable[[int], None], steps: int, warmup: int, repeats: int,
-          device: torch.device) -> list[float]:
-    """Seconds per repeat of ``steps`` calls of ``step(i)``, after ``warmup`` untimed calls."""
-    for i in range(warmup):
-        step(i)
-    synchronize(device)
-    def repeat() -> None:
-        for i in range(steps):
-            step(i)
+@dataclass
+class _Runner:
+    """One implementation at one N: ``step(i)`` steps every env with the i-th actions."""
 
-    return [timed(repeat, device)[0] for _ in range(repeats)]
+    impl: str
+    n_envs: int
+    step: Callable[[int], None]
+    ops: int | None = None
+    compile_s: float | None = None
+    samples: list[float] = field(default_factory=list)
 
 
-def _runners(spec: ForageSpec, device: torch.device, sizes: dict[str, int], n_actions: int,
-             seed: int) -> dict[str, tuple[int, Callable[[int], None]]]:
-    """Per implementation: (n_envs, step(i)) with the actions drawn beforehand."""
+def _runner(impl: str, n: int, spec: ForageSpec, device: torch.device, n_actions: int,
+            seed: int, compiled: bool = False) -> _Runner:
+    """``impl`` with ``n`` envs and its actions drawn beforehand (``compiled``: ForageTorch's
+    step through ``torch.compile``)."""
     rng = np.random.default_rng(seed)
-    runners = {}
+    if impl == "ForagePy":
+        envs = [ForagePy(spec, seed=seed, env_index=i) for i in range(n)]
+        actions = rng.integers(0, N_ACTIONS, (n_actions, n)).tolist()
 
-    n = sizes["ForagePy"]
-    envs = [ForagePy(spec, seed=seed, env_index=i) for i in range(n)]
-    py_actions = rng.integers(0, N_ACTIONS, (n_actions, n)).tolist()
+        def step(i: int) -> None:
+            for env, a in zip(envs, actions[i % n_actions], strict=True):
+                env.step(a)
+        return _Runner(impl, n, step)
+    if impl == "ForageNumpy":
+        env = ForageNumpy(n, spec, seed)
+        np_actions = rng.integers(0, N_ACTIONS, (n_actions, n))
+        return _Runner(impl, n, lambda i: env.step(np_actions[i % n_actions]))
+    env = (ForageTorch if impl == "ForageTorch" else ForageTorchLoop)(n, spec, seed=seed,
+                                                                      device=device)
+    gen = torch.Generator(device).manual_seed(seed)
+    t_actions = torch.randint(0, N_ACTIONS, (n_actions, n), generator=gen, device=device)
+    ops = sum(dispatch_ops(lambda: env.step(t_actions[0])).values())
+    env.reset()  # the counted step is not part of the timed episodes
+    if not compiled:
+        return _Runner(impl, n, lambda i: env.step(t_actions[i % n_actions]), ops=ops)
+    fn = torch.compile(env.step)
+    compile_s, _ = timed(lambda: fn(t_actions[0]), device)  # the first call compiles
+    env.reset()
+    return _Runner(impl + "+compile", n, lambda i: fn(t_actions[i % n_actions]), ops=ops,
+                   compile_s=compile_s)
 
-    def step_py(i: int) -> None:
-        for env, a in zip(envs, py_actions[i % n_actions], strict=True):
-            env.step(a)
-    runners["ForagePy"] = (n, step_py)
 
-    n = sizes["ForageNumpy"]
-    np_env = ForageNumpy(n, spec, seed)
-    np_actions = rng.integers(0, N_ACTIONS, (n_actions, n))
-    runners["ForageNumpy"] = (n, lambda i: np_env.step(np_actions[i % n_actions]))
+def _rounds(runners: list[_Runner], steps: int, warmup: int, repeats: int,
+            device: torch.device) -> None:
+    """Each runner warmed up by ``warmup`` untimed steps, then timed for ``steps`` steps once
+    per round, the runners in turn in every round: drift slows them alike."""
+    for r in runners:
+        for i in range(warmup):
+            r.step(i)
+    synchronize(device)
+    for _ in range(repeats):
+        for r in runners:
+            def episode(r: _Runner = r) -> None:
+                for i in range(steps):
+                    r.step(warmup + i)
+            r.samples.append(timed(episode, device)[0])
 
-    for cls in (ForageTorchLoop, ForageTorch):
-        n = sizes[cls.__name__]
-        env = cls(n, spec, seed=seed, device=device)
-        gen = torch.Generator(device).manual_seed(seed)
-        actions = torch.randint(0, N_ACTIONS, (n_actions, n), generator=gen, device=device)
-        runners[cls.__name__] = (n, lambda i, env=env, actions=actions:
-                                 env.step(actions[i % n_actions]))
-    return runners
+
+def _fastest(rows: list[dict]) -> dict[int, dict]:
+    """Per N of the sweep: the fastest vectorized implementation and its lead over the next."""
+    out = {}
+    for n in sorted({r["n_envs"] for r in rows if r["impl"].split("+")[0] in VECTORIZED}):
+        ranked = sorted((r for r in rows if r["n_envs"] == n
+                         and r["impl"].split("+")[0] in VECTORIZED),
+                        key=lambda r: r["steps_per_s"], reverse=True)
+        out[n] = {"impl": ranked[0]["impl"], "steps_per_s": ranked[0]["steps_per_s"],
+                  "next": ranked[1]["impl"] if len(ranked) > 1 else None,
+                  "lead": (ranked[0]["steps_per_s"] / ranked[1]["steps_per_s"]
+                           if len(ranked) > 1 else None)}
+    return out
 
 
 def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
-               spec: ForageSpec | None = None, sizes: dict[str, int] | None = None,
-               steps: dict[str, int] | None = None, warmup: int = 10, seed: int = 0) -> dict:
-    """Median env-steps/s over ``repeats`` timed runs per implementation, warmup excluded.
+               n_envs: Sequence[int] | None = None, *, spec: ForageSpec | None = None,
+               loop_envs: int = 16, episodes: int = 1, compiled: bool = False,
+               warmup: int = 10, seed: int = 0) -> dict:
+    """Env steps/s of each Forage implementation with random actions.
 
-    ``sizes`` / ``steps`` override the number of envs / timed steps per repeat of each
-    implementation (keys: ForagePy, ForageNumpy, ForageTorchLoop, ForageTorch); by default
-    one episode (``spec.episode_length`` steps) per repeat, 32 steps for ForageTorch on a CPU."""
+    The vectorized implementations (NumPy, torch) run at every N of ``n_envs`` (default: 256,
+    1024, 4096 on the CPU; 4096, 65536 on CUDA), the per-env loops (Python, the torch loop) at
+    ``loop_envs``. Every sample is ``episodes`` whole episodes, so each holds the same share of
+    resets; the implementations are timed in turn in each of ``repeats`` rounds, so a machine
+    that slows down does not pick the winner. Rows hold the median and min/median/max env
+    steps/s, the samples, and for torch the non-view aten ops per step; ``compiled`` adds
+    ``ForageTorch+compile`` rows (``torch.compile`` of the step; its first call's seconds in
+    ``compile_s``). ``fastest`` says which vectorized implementation leads at each N."""
     dev = resolve_device(device)
     check_int("repeats", repeats, 1)
     check_int("warmup", warmup, 0)
+    check_int("loop_envs", loop_envs, 1)
+    check_int("episodes", episodes, 1)
     spec = spec if spec is not None else ForageSpec()
-    cuda = dev.type == "cuda"
-    sizes = {"ForagePy": 16, "ForageNumpy": 1024, "ForageTorchLoop": 16,
-             "ForageTorch": 65536 if cuda else 4096, **(sizes or {})}
-    # Whole episodes per repeat, so each timed repeat holds the same share of resets; ForageTorch
-    # does the reset work on every step (branch-free), so fewer steps are as fair on the CPU.
-    steps = {**dict.fromkeys(sizes, spec.episode_length),
-             "ForageTorch": spec.episode_length if cuda else 32, **(steps or {})}
-    for name in {**sizes, **steps}:
-        if name not in IMPLS:
-            raise ValueError(f"sizes and steps keys must be among {IMPLS}, got {name!r}")
-        check_int(f"sizes[{name!r}]", sizes[name], 1)
-        check_int(f"steps[{name!r}]", steps[name], 1)
-    runners = _runners(spec, dev, sizes, max(steps.values()) + warmup, seed)
-
+    sizes = tuple(n_envs) if n_envs is not None else \
+        ((4096, 65536) if dev.type == "cuda" else (256, 1024, 4096))
+    if not sizes:
+        raise ValueError("n_envs must name at least one size")
+    for n in sizes:
+        check_n_envs(n)
+    steps = episodes * spec.episode_length
+    plan = [("ForagePy", loop_envs, False), ("ForageTorchLoop", loop_envs, False)]
+    plan += [(impl, n, False) for n in sizes for impl in VECTORIZED]
+    plan += [("ForageTorch", n, True) for n in sizes] if compiled else []
+    runners = [_runner(impl, n, spec, dev, steps + warmup, seed, c) for impl, n, c in plan]
+    _rounds(runners, steps, warmup, repeats, dev)
     rows = []
-    for impl, (n, step) in runners.items():
-        seconds = _time(step, steps[impl], warmup, repeats, dev)
-        rows.append({"impl": impl, "n_envs": n,
-                     "steps_per_s": n * steps[impl] / statistics.median(seconds)})
+    for r in runners:
+        rates = sorted(r.n_envs * steps / s for s in r.samples)
+        rows.append({"impl": r.impl, "n_envs": r.n_envs,
+                     "steps_per_s": statistics.median(rates),
+                     "steps_per_s_spread": [rates[0], statistics.median(rates), rates[-1]],
+                     "samples_s": r.samples, "ops_per_step": r.ops, "compile_s": r.compile_s})
     py = rows[0]["steps_per_s"]
     for row in rows:
         row["ratio_vs_py"] = row["steps_per_s"] / py
     return {
         "meta": run_metadata(dev),
         "rows": rows,
+        "fastest": _fastest(rows),
         "repeats": repeats,
         "warmup_steps": warmup,
-        "timed_steps": steps,
+        "steps_per_sample": steps,
+        "threads": torch.get_num_threads(),
         "spec": vars(spec),
     }
 
 
 def format_table(result: dict) -> str:
-    """The rows of ``bench_envs`` as a fixed-width text table under a line saying where."""
+    """The rows of ``bench_envs`` as a fixed-width text table under a line saying where, and
+    a line per N saying which implementation is fastest and by how much."""
     m = result["meta"]
-    return (f"Forage env-steps/s on {m['device']} ({m['device_name']}), torch {m['torch']}, "
-            f"median of {result['repeats']}\n" + tables.ENVS.text(result["rows"]))
+    lines = [f"Forage env-steps/s on {m['device']} ({m['device_name']}), torch {m['torch']}, "
+             f"{result.get('threads', '?')} thread(s), median of {result['repeats']} rounds of "
+             f"{result.get('steps_per_sample', '?')} steps", tables.ENVS.text(result["rows"])]
+    for n, f in (result.get("fastest") or {}).items():
+        lead = f" ({f['lead']:.2f}x {f['next']})" if f.get("lead") else ""
+        lines.append(f"N={n}: fastest {f['impl']}{lead}")
+    return "\n".join(lines)

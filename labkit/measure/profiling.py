@@ -85,6 +85,25 @@ def op_counts(prof: profile, prefix: str = "aten::") -> Counter:
     return counts
 
 
+def dispatch_ops(fn: Callable[[], object]) -> Counter:
+    """The aten ops one call of ``fn`` dispatches, by name, views left out (they launch
+    nothing): counted by a ``TorchDispatchMode``, below ``torch.compile`` and autograd, so an
+    op a wrapper hides is still counted. Views are ops whose schema says they alias an input."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: Counter = Counter()
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                counts[str(func.overloadpacket.__name__)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        fn()
+    return counts
+
+
 def trace_pipeline(pipeline, out_dir: str | os.PathLike, iterations: int = 1,
                    name: str | None = None) -> tuple[profile, Path]:
     """Profile ``iterations`` steady-state iterations of ``pipeline`` (warm it up first) and
