@@ -663,8 +663,9 @@ def results_markdown(folder: str | Path) -> str:
             parts += ["Scaling (env steps/s over N):", "", scaling_table(r), ""]
     for name, r in sorted(_load(folder, "bench_env_*.json"), key=lambda x: x[0]):
         parts += [f"## Env benchmark: {r['meta']['device_name']} ({r['meta']['device']})", "",
-                  _source(name, r["meta"]) + "; random actions, warmup excluded, median of "
-                  f"{r['repeats']}.", "", bench_env_table(r), ""]
+                  _source(name, r["meta"]) + "; random actions, each sample one whole episode, "
+                  f"the implementations in turn over {r['repeats']} rounds (warmup excluded); "
+                  "median, min and max.", "", bench_env_table(r), ""]
     for name, r in sorted(_load(folder, "learning_*.json"), key=lambda x: x[0]):
         b = r["budget"]
         parts += [f"## Learning: {r['meta']['device_name']} ({r['meta']['device']})", "",
