@@ -600,6 +600,24 @@ def _cases():
         (["plot-runs", "RUN", "--out", "EMPTY"], "is a folder"),
         ([], "command"), (["warp"], "invalid choice"),
     ]
+    # Empty or blank paths and globs are user errors, never "here" (issue 23, class 4).
+    cases += [
+        (["train", *TINY, "--out", ""], "--out: expected a path, got ''"),
+        (["train", "--resume", ""], "--resume: expected a path"),
+        (["train", "--resume", " "], "--resume: expected a path"),
+        (["train", *TINY, "--tensorboard", "", "--out", "OUT"], "--tensorboard: expected a path"),
+        (["ladder", "--device", "cpu", "--out", ""], "--out: expected a path"),
+        (["bench-env", "--out", ""], "--out: expected a path"),
+        (["profile", "--out", ""], "--out: expected a path"),
+        (["report", "--results", ""], "--results: expected a path"),
+        (["plot-runs", ""], "runs: expected a path"),
+        (["plot-runs", "RUN", "--out", ""], "--out: expected a path"),
+        (["record", "--out", "", "--plan"], "--out: expected a path"),
+        (["record", "--parts", "", "--plan"], "parts must name at least one"),
+        (["record", "--notebooks", "", "--plan"], "notebooks must be a glob"),
+        (["record", "--notebooks", "zzz*.ipynb", "--plan"], "matches no notebook"),
+        (["record", "--notebooks", "none", "--parts", "notebooks", "--plan"], "select nothing"),
+    ]
     return cases
 
 

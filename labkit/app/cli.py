@@ -45,6 +45,13 @@ def _field_flag(p: argparse.ArgumentParser, cls: type, name: str, parse, *,
     p.add_argument("--" + name.replace("_", "-"), type=parse, default=None, help=text, **kwargs)
 
 
+def _path(text: str) -> str:
+    """A path flag's value: an empty or blank string is refused (it would mean "here")."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    return text
+
+
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
@@ -371,7 +378,7 @@ def _add_bench_env(sub) -> None:
                         "256 1024 4096 on the CPU, 4096 65536 on CUDA)")
     p.add_argument("--compiled", action="store_true",
                    help="also time torch.compile(ForageTorch.step) (minutes to compile on a CPU)")
-    p.add_argument("--out", default="results", help="folder for the JSON")
+    p.add_argument("--out", type=_path, default="results", help="folder for the JSON")
     p.set_defaults(func=cmd_bench_env)
 
 
@@ -394,7 +401,7 @@ def _add_ladder(sub) -> None:
                         "process is running on; see labkit.measure.noise)")
     p.add_argument("--no-scaling", action="store_true", help="skip the scaling sweep")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--out", default="results", help="folder for JSON and PNG")
+    p.add_argument("--out", type=_path, default="results", help="folder for JSON and PNG")
     p.set_defaults(func=cmd_ladder)
 
 
@@ -413,11 +420,11 @@ def _add_train(sub) -> None:
     _field_flag(p, RunConfig, "seed", _non_negative_int)
     _field_flag(p, RunConfig, "value_head", str, choices=VALUE_HEADS)
     _field_flag(p, TrainConfig, "checkpoint_every", _non_negative_int)
-    p.add_argument("--out", default=None,
+    p.add_argument("--out", type=_path, default=None,
                    help="run folder (default: a new runs/train-<date>-<time>)")
-    p.add_argument("--resume", default=None, metavar="DIR",
+    p.add_argument("--resume", type=_path, default=None, metavar="DIR",
                    help="continue the run in DIR (from its checkpoint, or from its start)")
-    p.add_argument("--tensorboard", default=None, metavar="DIR",
+    p.add_argument("--tensorboard", type=_path, default=None, metavar="DIR",
                    help="also write the metrics as TensorBoard scalars to DIR")
     p.add_argument("--stop-after", type=_positive_int, default=None, metavar="K",
                    help="stop after iteration K of the run, with a checkpoint (--resume goes on)")
@@ -450,13 +457,13 @@ def _add_record(sub) -> None:
                    help="record although the code is modified (commit marked -dirty)")
     p.add_argument("--overwrite-gpu-notebooks", action="store_true",
                    help="on a CPU, also re-execute notebooks last recorded on a GPU")
-    p.add_argument("--out", default="results", help="results folder")
+    p.add_argument("--out", type=_path, default="results", help="results folder")
     p.set_defaults(func=cmd_record)
 
 
 def _add_report(sub) -> None:
     p = sub.add_parser("report", help="write results/RESULTS.md and the README's results")
-    p.add_argument("--results", default="results", help="results folder")
+    p.add_argument("--results", type=_path, default="results", help="results folder")
     p.set_defaults(func=cmd_report)
 
 
@@ -469,7 +476,7 @@ def _add_profile(sub) -> None:
     p.add_argument("--iterations", type=_positive_int, default=1,
                    help="iterations traced, after one warmup (default: %(default)s)")
     p.add_argument("--top", type=_positive_int, default=15, help="rows of the top-ops table")
-    p.add_argument("--out", default="runs/profile", help="folder for the trace")
+    p.add_argument("--out", type=_path, default="runs/profile", help="folder for the trace")
     p.set_defaults(func=cmd_profile)
 
 
@@ -520,9 +527,9 @@ def _add_rehearse(sub) -> None:
 
 def _add_plot_runs(sub) -> None:
     p = sub.add_parser("plot-runs", help="learning curves of train runs (steps and wall time)")
-    p.add_argument("runs", nargs="+", help="train --out folders")
+    p.add_argument("runs", type=_path, nargs="+", help="train --out folders")
     p.add_argument("--oracle", type=float, default=None, help="draw the oracle's return")
-    p.add_argument("--out", default="results/learning.png", help="PNG to write")
+    p.add_argument("--out", type=_path, default="results/learning.png", help="PNG to write")
     p.set_defaults(func=cmd_plot_runs)
 
 

@@ -120,7 +120,13 @@ def notebook_paths(pattern: str) -> list[Path]:
     """The notebooks matching ``pattern`` (a glob in notebooks/; "none" for none)."""
     if pattern == "none":
         return []
-    return sorted((ROOT / "notebooks").glob(pattern))
+    if not pattern.strip():
+        raise RecordError("notebooks must be a glob in notebooks/ or none; got ''")
+    found = sorted((ROOT / "notebooks").glob(pattern))
+    if not found:
+        raise RecordError(f"notebooks {pattern!r} matches no notebook in notebooks/ "
+                          "(give a glob such as '0[0-3]*.ipynb', or none)")
+    return found
 
 
 def plan(profile: str, notebooks: str = "[0-9]*.ipynb", stages: list | None = None
@@ -165,7 +171,11 @@ def select(parts: list[Part], names: str | Iterable[str]) -> list[Part]:
         if name not in known and name not in GROUPS and name != "all":
             raise RecordError(f"parts must be among {', '.join(GROUPS)}, all, or a part of "
                               f"the plan (python -m labkit record --plan); got {name!r}")
-    return [p for p in parts if "all" in names or p.name in names or p.kind in names]
+    chosen = [p for p in parts if "all" in names or p.name in names or p.kind in names]
+    if not chosen:
+        raise RecordError(f"parts {','.join(names)} select nothing in this plan (python -m "
+                          "labkit record --plan lists it)")
+    return chosen
 
 
 def _log_path(out: Path, device: torch.device, profile: str) -> Path:
