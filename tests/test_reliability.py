@@ -659,3 +659,19 @@ def test_check_output_dir_explains_itself(tmp_path):
         check_output_dir(tmp_path / "f")
     assert check_output_dir(tmp_path / "new" / "deep").is_dir()
     assert os.listdir(tmp_path / "new" / "deep") == []  # the probe file is gone
+
+
+def test_a_path_the_terminal_cannot_encode_does_not_fail_a_finished_run(tmp_path):
+    """A non-UTF-8 byte in --out, printed to a strict UTF-8 stdout (an en_US.UTF-8 terminal):
+    the run finishes, its summary line shows the byte escaped, and it exits 0 (issue 23, G5)."""
+    out = os.fsencode(tmp_path) + b"/bad\xffname"
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    argv = [sys.executable.encode(), b"-m", b"labkit", b"train", b"--stage", b"async_logging",
+            b"--device", b"cpu", b"--n-envs", b"8", b"--n-steps", b"16", b"--total-steps",
+            b"256", b"--no-progress", b"--out", out]
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert b"bad\\udcffname" in done.stdout and os.path.isdir(out)
+    again = subprocess.run([*argv[:4], b"--resume", out, b"--no-progress"], cwd=ROOT, env=env,
+                           capture_output=True, timeout=300)
+    assert again.returncode == 0 and b"already complete" in again.stdout, again.stderr[-2000:]

@@ -549,9 +549,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _escape_unprintable() -> None:
+    """A path the terminal's encoding cannot show (a non-UTF-8 byte in a file name) is printed
+    escaped, never raised: a finished run must not end in an encoding error."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..files import describe_os_error
 
+    _escape_unprintable()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
