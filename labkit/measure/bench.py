@@ -32,7 +32,7 @@ from ..device import run_metadata, synchronize
 from ..policy import flops_per_sample
 from ..ppo import Batch
 from ..signals import signum_of
-from ..stages import STAGES, Pipeline, Stage, StageSkipped, get_stage
+from ..stages import STAGES, Pipeline, PipelineState, Stage, StageSkipped, get_stage
 from ..timing import PHASES, lap_cost_s, timed
 from . import noise, tables
 from .noise import Wait
@@ -108,6 +108,8 @@ class _Timing:
     source: str = "schedstat"
     ceiling: list[float] = field(default_factory=list)
     meters: tuple = ()
+    work: Callable[[], None] | None = None  # the model work the ceiling times
+    saved: PipelineState | None = None  # the state to restore after it
 
     def sample(self, start: float) -> None:
         """One plain and one phase-marked iteration, with the run-queue wait around each."""
@@ -149,28 +151,26 @@ def _ceilings(timings: list[_Timing], cfg: BenchConfig) -> None:
     called once untimed (it compiles or captures), then timed once per round in turn with the
     other stages, like the iterations, and its state restored. The ceiling is the fastest call:
     it is a bound, and noise only adds time."""
-    work = {}
     for t in timings:
         if t.row.get("status", "ok") != "ok":
             continue
         try:
             m_roll, m_upd, batch = _metered_iteration(t.pipe)
-            t.meters = (m_roll, m_upd)
-            saved, fn = t.pipe.state_dict(), model_work(t.pipe, batch)
-            fn()
-            work[id(t)] = (saved, fn)
+            t.meters, t.saved = (m_roll, m_upd), t.pipe.state_dict()
+            t.work = model_work(t.pipe, batch)
+            t.work()
         except Exception as err:  # one broken stage must not lose the others' results
             t.row["status"] = _error_status(err)
     for _ in range(cfg.iterations):
         for t in timings:
-            if id(t) in work and t.row.get("status", "ok") == "ok":
+            if t.work is not None and t.row.get("status", "ok") == "ok":
                 try:
-                    t.ceiling.append(timed(work[id(t)][1], t.pipe.device)[0])
+                    t.ceiling.append(timed(t.work, t.pipe.device)[0])
                 except Exception as err:
                     t.row["status"] = _error_status(err)
     for t in timings:
-        if id(t) in work:
-            t.pipe.load_state_dict(work[id(t)][0])
+        if t.saved is not None:
+            t.pipe.load_state_dict(t.saved)
 
 
 def _metered_iteration(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter, Batch]:

@@ -87,10 +87,10 @@ def _rounds(runners: list[_Runner], steps: int, warmup: int, repeats: int,
 
 def _fastest(rows: list[dict]) -> dict[int, dict]:
     """Per N of the sweep: the fastest vectorized implementation and its lead over the next."""
+    vectorized = [r for r in rows if r["impl"].split("+")[0] in VECTORIZED]
     out = {}
-    for n in sorted({r["n_envs"] for r in rows if r["impl"].split("+")[0] in VECTORIZED}):
-        ranked = sorted((r for r in rows if r["n_envs"] == n
-                         and r["impl"].split("+")[0] in VECTORIZED),
+    for n in sorted({r["n_envs"] for r in vectorized}):
+        ranked = sorted((r for r in vectorized if r["n_envs"] == n),
                         key=lambda r: r["steps_per_s"], reverse=True)
         out[n] = {"impl": ranked[0]["impl"], "steps_per_s": ranked[0]["steps_per_s"],
                   "next": ranked[1]["impl"] if len(ranked) > 1 else None,
