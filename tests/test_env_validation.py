@@ -130,6 +130,14 @@ def test_load_state_dict() -> None:
         env.load_state_dict({**state, "grid": state["grid"][:2]})
     with pytest.raises(ValueError, match=r"state\['pos'\]"):
         env.load_state_dict({**state, "pos": state["pos"].float()})
+    # Values the rebuilt state could not come from: a step past the episode, the agent on a wall.
+    for bad in ({"t": torch.full_like(state["t"], 128)}, {"t": state["t"] - 1},
+                {"pos": torch.zeros_like(state["pos"])}):
+        with pytest.raises(ValueError, match=r"state\['pos'\] must be interior cells and "
+                                             r"state\['t'\] steps in \[0, 128\)"):
+            env.load_state_dict({**state, **bad})
+    env.load_state_dict(state)  # the refusals changed nothing
+    assert all(torch.equal(v, state[k]) for k, v in env.state_dict().items())
 
 
 def test_mean_return_and_bench_arguments() -> None:

@@ -50,7 +50,7 @@ class VecEnv:
 
     def __init__(self, env) -> None:
         self.env = env
-        self.torch = isinstance(env, ForageTorch)
+        self.torch = isinstance(env, (ForageTorch, ForageTorchLoop))
 
     def reset(self, seed: int | None = None) -> np.ndarray:
         return self._np(self.env.reset(seed)[0])
@@ -115,6 +115,7 @@ def test_parity_16_envs_1000_steps() -> None:
                 episode_length=20), 4),  # a full grid: one free cell to respawn on
     (ForageSpec(height=3, width=4, view=1, n_walls=0, n_food=1, n_poison=0,
                 episode_length=7), 5),
+    (ForageSpec(episode_length=1), 6),  # every step ends an episode: 12 layout draws per step
 ])
 def test_parity_other_specs(spec: ForageSpec, seed: int) -> None:
     run_parity(make_envs(spec, 16, seed), 16, 100, action_seed=seed)  # ForageTorchLoop is slow
@@ -164,6 +165,108 @@ def test_state_dict_resumes_exactly() -> None:
         for got, want in zip(other.step(a)[:4], env.step(a)[:4], strict=True):
             assert torch.equal(got, want)
     assert set(env.state_dict()) == {"seed", "episode", "t", "grid", "pos", "episode_return"}
+
+
+def staggered(spec: ForageSpec, n_envs: int, seed: int) -> dict:
+    """A state where env i is at step (7 * i) % episode_length of its episode, each env's
+    episode count different too: envs out of lock-step, as ForageTorch must handle."""
+    env = ForageNumpy(n_envs, spec, seed)
+    rng = np.random.default_rng(seed)
+    for _ in range(spec.episode_length + 5):
+        env.step(rng.integers(0, 5, n_envs))
+    state = env.state_dict()
+    state["seed"] = torch.tensor(seed)
+    state["t"] = torch.tensor([(7 * i) % spec.episode_length for i in range(n_envs)])
+    state["episode"] = state["episode"] + torch.arange(n_envs) % 3
+    return state
+
+
+def from_state(cls, spec: ForageSpec, state: dict, **kwargs):
+    env = cls(len(state["t"]), spec, **kwargs)
+    if cls is ForageNumpy:
+        state = {**state, "seed": int(state["seed"])}
+    env.load_state_dict(state)
+    return env
+
+
+@pytest.mark.parametrize("spec", [ForageSpec(), ForageSpec(episode_length=5),
+                                  ForageSpec(height=5, width=5, view=3, n_walls=2, n_food=3,
+                                             n_poison=3, episode_length=11)],
+                         ids=["default", "short", "crowded"])
+def test_parity_envs_at_different_steps(spec: ForageSpec) -> None:
+    """ForageTorch builds each env's next layout during its episode: envs at different steps
+    (loaded through load_state_dict) end their episodes at different steps, bit-exact with
+    ForageNumpy and ForageTorchLoop, which build the layout when the episode ends."""
+    n_envs = 24
+    state = staggered(spec, n_envs, seed=4)
+    envs = {cls.__name__: VecEnv(from_state(cls, spec, state, final_obs=True))
+            for cls in (ForageNumpy, ForageTorch, ForageTorchLoop)}
+    rng, ends = np.random.default_rng(1), []
+    for t in range(2 * spec.episode_length + 3):
+        actions = rng.integers(0, 5, n_envs)
+        ref = envs["ForageNumpy"].step(actions)
+        for name in ("ForageTorch", "ForageTorchLoop"):
+            for field, got, want in zip(FIELDS, envs[name].step(actions), ref, strict=True):
+                assert np.array_equal(got, want), f"{name} {field} differs at step {t}"
+        ends.append(int(ref[3].sum()))
+    assert sum(ends) >= 2 * n_envs and max(ends) < n_envs  # every env ended, never all at once
+
+
+def test_checkpoints_cross_implementations() -> None:
+    """ForageTorch's state_dict is ForageNumpy's layout, the one ForageTorch wrote before it
+    built layouts ahead (ForageTorchLoop still keeps it): mid-episode states move between
+    them and continue bit-exactly."""
+    spec, n_envs = ForageSpec(episode_length=20), 8
+    actions = torch.randint(0, 5, (70, n_envs), generator=torch.Generator().manual_seed(2))
+    loop, fast = ForageTorchLoop(n_envs, spec, seed=5), ForageTorch(n_envs, spec, seed=5)
+    for a in actions[:27]:  # 7 steps into the second episode: 7 of 12 draws built ahead
+        loop.step(a)
+    fast.load_state_dict(loop.state_dict())
+    for key, value in fast.state_dict().items():
+        assert torch.equal(value, loop.state_dict()[key]), key
+    for a in actions[27:50]:
+        for got, want in zip(fast.step(a)[:4], loop.step(a)[:4], strict=True):
+            assert torch.equal(got, want)
+    back = ForageTorchLoop(n_envs, spec, seed=0)
+    back.load_state_dict(fast.state_dict())
+    for a in actions[50:]:
+        for got, want in zip(back.step(a)[:4], fast.step(a)[:4], strict=True):
+            assert torch.equal(got, want)
+
+
+def test_step_ops() -> None:
+    """At most 100 non-view aten ops per step (counted below any wrapper), the same ops
+    whether no episode or every episode ends, and no op on a [N, cells] int64 temporary."""
+    from labkit.measure.profiling import dispatch_ops
+
+    env = ForageTorch(64, ForageSpec(), seed=0)
+    a = torch.randint(0, 5, (64,), generator=torch.Generator().manual_seed(0))
+    mid = dispatch_ops(lambda: env.step(a))
+    state = env.state_dict()
+    env.load_state_dict({**state, "t": torch.full_like(state["t"], 127)})
+    end = dispatch_ops(lambda: env.step(a))
+    assert env.t.eq(0).all() and mid == end
+    assert sum(mid.values()) <= 100, mid
+
+
+def test_compiled_step_parity() -> None:
+    """torch.compile(ForageTorch.step): one graph, no recompiles across steps and episode
+    ends (envs at different steps), outputs bit-exact with the eager step."""
+    spec, n_envs = ForageSpec(episode_length=6), 16
+    state = staggered(spec, n_envs, seed=2)
+    eager = from_state(ForageTorch, spec, state, final_obs=True)
+    compiled_env = from_state(ForageTorch, spec, state, final_obs=True)
+    torch._dynamo.reset()
+    step = torch.compile(compiled_env.step, fullgraph=True)
+    gen = torch.Generator().manual_seed(3)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t in range(2 * spec.episode_length + 1):
+            a = torch.randint(0, 5, (n_envs,), generator=gen)
+            got, want = step(a), eager.step(a)
+            for x, y in zip(got[:4], want[:4], strict=True):
+                assert torch.equal(x, y), t
+            for key in want[4]:
+                assert torch.equal(got[4][key], want[4][key]), (t, key)
 
 
 def test_kth_free() -> None:

@@ -85,7 +85,7 @@ def cmd_bench_env(args: argparse.Namespace) -> int:
     out = check_output_dir(args.out) / f"bench_env_{device.type}.json"
     _check_not_a_folder(out)
     result = bench_envs(device=device, repeats=args.repeats, n_envs=args.n_envs,
-                        compiled=args.compiled)
+                        compiled=args.compiled, compile_loop=args.compile_loop)
     print(format_table(result))
     write_json(out, result)
     print(f"wrote {out}")
@@ -377,7 +377,11 @@ def _add_bench_env(sub) -> None:
                    help="N of the vectorized implementations, the same for each (default: "
                         "256 1024 4096 on the CPU, 4096 65536 on CUDA)")
     p.add_argument("--compiled", action="store_true",
-                   help="also time torch.compile(ForageTorch.step) (minutes to compile on a CPU)")
+                   help="also time torch.compile(ForageTorch.step), and a loop of "
+                        "--compile-loop steps compiled as one graph (minutes on a CPU)")
+    p.add_argument("--compile-loop", type=_positive_int, default=4,
+                   help="steps in the compiled loop; 1 leaves that row out; it must divide "
+                        "the episode length and 16, the warmup steps (default: %(default)s)")
     p.add_argument("--out", type=_path, default="results", help="folder for the JSON")
     p.set_defaults(func=cmd_bench_env)
 

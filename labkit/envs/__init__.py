@@ -7,12 +7,12 @@ from .numpy import ForageNumpy, Layout
 from .policies import mean_return, oracle_actions, random_actions
 from .python import ForagePy, ForagePyList
 from .spec import ACTION_DELTAS, EMPTY, FOOD, N_ACTIONS, POISON, WALL, ForageSpec
-from .torch import ForageTorch, kth_free
+from .torch import ForageTorch, kth_free, nth_free
 from .torch_loop import ForageTorchLoop
 
 __all__ = ["ACTION_DELTAS", "EMPTY", "FOOD", "N_ACTIONS", "POISON", "WALL", "ForageNumpy",
            "ForagePy", "ForagePyList", "ForageSpec", "ForageTorch", "ForageTorchLoop", "Layout",
-           "kth_free", "mean_return", "oracle_actions",
+           "kth_free", "nth_free", "mean_return", "oracle_actions",
            "random_actions"]
 
 if importlib.util.find_spec("gymnasium") is not None:  # optional: pip install 'labkit[gym]'

@@ -13,10 +13,10 @@ import numpy as np
 
 MASK = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x846CA68B
-_GOLDEN = 0x9E3779B9
+GOLDEN = 0x9E3779B9
 
 
-def _mix(x):
+def mix(x):
     """lowbias32 on values in [0, 2**32): works for int, np.uint64 arrays and int64 tensors."""
     x = x ^ (x >> 16)
     x = (x * _M1) & MASK
@@ -25,13 +25,19 @@ def _mix(x):
     return x ^ (x >> 16)
 
 
+def chain(h, *keys):
+    """``h`` mixed with each key in turn: ``chain(chain(h, a), b) == chain(h, a, b)``, so a
+    prefix of the keys can be hashed once and reused (ForageTorch keeps per-env and
+    per-episode prefixes)."""
+    for key in keys:
+        h = mix(h ^ (key & MASK))
+    return h
+
+
 def hash32(seed, env, episode, step, draw):
     """The hash on Python ints, or on int64 tensors (any device; arguments broadcast; no host
     reads). Result in [0, 2**32)."""
-    h = _GOLDEN
-    for key in (seed, env, episode, step, draw):
-        h = _mix(h ^ (key & MASK))
-    return h
+    return chain(GOLDEN, seed, env, episode, step, draw)
 
 
 def hash_np(seed, env, episode, step, draw) -> np.ndarray:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,13 +35,16 @@ class _Runner:
     step: Callable[[int], None]
     ops: int | None = None
     compile_s: float | None = None
+    stride: int = 1
+    """Env steps one ``step`` call makes (a compiled loop of K steps makes K)."""
     samples: list[float] = field(default_factory=list)
 
 
 def _runner(impl: str, n: int, spec: ForageSpec, device: torch.device, n_actions: int,
-            seed: int, compiled: bool = False) -> _Runner:
+            seed: int, compiled: int = 0) -> _Runner:
     """``impl`` with ``n`` envs and its actions drawn beforehand (``compiled``: ForageTorch's
-    step through ``torch.compile``)."""
+    step through ``torch.compile``, 1 step per call, or a loop of that many steps compiled as
+    one function)."""
     rng = np.random.default_rng(seed)
     if impl == "ForagePy":
         envs = [ForagePy(spec, seed=seed, env_index=i) for i in range(n)]
@@ -62,11 +66,23 @@ def _runner(impl: str, n: int, spec: ForageSpec, device: torch.device, n_actions
     env.reset()  # the counted step is not part of the timed episodes
     if not compiled:
         return _Runner(impl, n, lambda i: env.step(t_actions[i % n_actions]), ops=ops)
-    fn = torch.compile(env.step)
-    compile_s, _ = timed(lambda: fn(t_actions[0]), device)  # the first call compiles
+    if compiled == 1:
+        fn = torch.compile(env.step, fullgraph=True)
+        compile_s, _ = timed(lambda: fn(t_actions[0]), device)  # the first call compiles
+        env.reset()
+        return _Runner(impl + "+compile", n, lambda i: fn(t_actions[i % n_actions]), ops=ops,
+                       compile_s=compile_s)
+
+    def steps(chunk: torch.Tensor) -> None:
+        for a in chunk:  # unrolled by torch.compile: one graph of `compiled` steps
+            env.step(a)
+    loop = torch.compile(steps, fullgraph=True)
+    chunks = t_actions.split(compiled)
+    compile_s, _ = timed(lambda: loop(chunks[0]), device)
     env.reset()
-    return _Runner(impl + "+compile", n, lambda i: fn(t_actions[i % n_actions]), ops=ops,
-                   compile_s=compile_s)
+    return _Runner(f"{impl}+compile x{compiled}", n,
+                   lambda i: loop(chunks[(i // compiled) % len(chunks)]), ops=ops,
+                   compile_s=compile_s, stride=compiled)
 
 
 def _rounds(runners: list[_Runner], steps: int, warmup: int, repeats: int,
@@ -74,13 +90,13 @@ def _rounds(runners: list[_Runner], steps: int, warmup: int, repeats: int,
     """Each runner warmed up by ``warmup`` untimed steps, then timed for ``steps`` steps once
     per round, the runners in turn in every round: drift slows them alike."""
     for r in runners:
-        for i in range(warmup):
+        for i in range(0, warmup, r.stride):
             r.step(i)
     synchronize(device)
     for _ in range(repeats):
         for r in runners:
             def episode(r: _Runner = r) -> None:
-                for i in range(steps):
+                for i in range(0, steps, r.stride):
                     r.step(warmup + i)
             r.samples.append(timed(episode, device)[0])
 
@@ -102,7 +118,7 @@ def _fastest(rows: list[dict]) -> dict[int, dict]:
 def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
                n_envs: Sequence[int] | None = None, *, spec: ForageSpec | None = None,
                loop_envs: int = 16, episodes: int = 1, compiled: bool = False,
-               warmup: int = 10, seed: int = 0) -> dict:
+               compile_loop: int = 4, warmup: int = 16, seed: int = 0) -> dict:
     """Env steps/s of each Forage implementation with random actions.
 
     The vectorized implementations (NumPy, torch) run at every N of ``n_envs`` (default: 256,
@@ -111,13 +127,16 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
     resets; the implementations are timed in turn in each of ``repeats`` rounds, so a machine
     that slows down does not pick the winner. Rows hold the median and min/median/max env
     steps/s, the samples, and for torch the non-view aten ops per step; ``compiled`` adds
-    ``ForageTorch+compile`` rows (``torch.compile`` of the step; its first call's seconds in
-    ``compile_s``). ``fastest`` says which vectorized implementation leads at each N."""
+    ``ForageTorch+compile`` rows (``torch.compile`` of the step) and, if ``compile_loop`` > 1,
+    ``ForageTorch+compile xK`` rows (a loop of K steps compiled as one graph; K must divide
+    the steps of a sample and ``warmup``), the first call's seconds in ``compile_s``.
+    ``fastest`` says which vectorized implementation leads at each N."""
     dev = resolve_device(device)
     check_int("repeats", repeats, 1)
     check_int("warmup", warmup, 0)
     check_int("loop_envs", loop_envs, 1)
     check_int("episodes", episodes, 1)
+    check_int("compile_loop", compile_loop, 1)
     spec = spec if spec is not None else ForageSpec()
     sizes = tuple(n_envs) if n_envs is not None else \
         ((4096, 65536) if dev.type == "cuda" else (256, 1024, 4096))
@@ -126,9 +145,13 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
     for n in sizes:
         check_n_envs(n)
     steps = episodes * spec.episode_length
-    plan = [("ForagePy", loop_envs, False), ("ForageTorchLoop", loop_envs, False)]
-    plan += [(impl, n, False) for n in sizes for impl in VECTORIZED]
-    plan += [("ForageTorch", n, True) for n in sizes] if compiled else []
+    loops = (1, compile_loop) if compile_loop > 1 else (1,)
+    if compiled and compile_loop > 1 and (steps % compile_loop or warmup % compile_loop):
+        raise ValueError(f"compile_loop must divide the steps per sample ({steps}) and "
+                         f"warmup ({warmup}), got {compile_loop}")
+    plan = [("ForagePy", loop_envs, 0), ("ForageTorchLoop", loop_envs, 0)]
+    plan += [(impl, n, 0) for n in sizes for impl in VECTORIZED]
+    plan += [("ForageTorch", n, k) for n in sizes for k in loops] if compiled else []
     runners = [_runner(impl, n, spec, dev, steps + warmup, seed, c) for impl, n, c in plan]
     _rounds(runners, steps, warmup, repeats, dev)
     rows = []
@@ -151,6 +174,62 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
         "threads": torch.get_num_threads(),
         "spec": vars(spec),
     }
+
+
+#: ForageTorch.step by part: the method that does each.
+STEP_PARTS = {"move and eat": "_walk", "hash": "_hash", "find cells, write": "_place",
+              "episode end": "_end_episodes", "observation": "observation"}
+
+
+def step_parts(env: ForageTorch, steps: int | None = None, seed: int = 0) -> dict:
+    """Where a ``ForageTorch.step`` goes: each part of ``STEP_PARTS`` timed on the host over
+    ``steps`` steps with random actions (default: one whole episode, so the share of the
+    layout work is exact), a device sync on both sides of each part (on a GPU the syncs
+    serialize the queue: read shares, not speed). ``other`` is the rest of the step (the
+    action check, Python between the parts, the timer itself)."""
+    dev, steps = env.device, steps or env.spec.episode_length
+    check_int("steps", steps, 1)
+    gen = torch.Generator(dev).manual_seed(seed)
+    actions = torch.randint(0, N_ACTIONS, (steps + 1, env.n_envs), generator=gen, device=dev)
+    spent = dict.fromkeys(STEP_PARTS, 0.0)
+
+    def timer(part: str, method: Callable) -> Callable:
+        def timed_part(*args, **kwargs):
+            synchronize(dev)
+            start = time.perf_counter()
+            out = method(*args, **kwargs)
+            synchronize(dev)
+            spent[part] += time.perf_counter() - start
+            return out
+        return timed_part
+
+    for part, name in STEP_PARTS.items():  # instance attributes shadow the methods
+        setattr(env, name, timer(part, getattr(env, name)))
+    try:
+        env.step(actions[-1])  # warm up, then count from zero
+        spent.update(dict.fromkeys(spent, 0.0))
+
+        def run() -> None:
+            for a in actions[:steps]:
+                env.step(a)
+        total, _ = timed(run, dev)
+    finally:
+        for name in STEP_PARTS.values():
+            delattr(env, name)
+    parts = {part: s / steps for part, s in spent.items()}
+    parts["other"] = total / steps - sum(parts.values())
+    return {"n_envs": env.n_envs, "device": str(dev), "steps": steps,
+            "step_s": total / steps, "parts_s": parts}
+
+
+def format_parts(result: dict) -> str:
+    """``step_parts`` as lines: microseconds per step and share of the step, by part."""
+    step = result["step_s"]
+    lines = [f"ForageTorch.step at N={result['n_envs']} on {result['device']}: "
+             f"{1e6 * step:,.0f} us per step (mean of {result['steps']} steps)"]
+    lines += [f"  {part:<20} {1e6 * s:>8,.0f} us  {100 * s / step:5.1f}%"
+              for part, s in result["parts_s"].items()]
+    return "\n".join(lines)
 
 
 def format_table(result: dict) -> str:

@@ -131,12 +131,13 @@ def phases(keys: Iterable[str], titles: dict[str, str]) -> Table:
 
 #: The env benchmark: one row per implementation and N (``bench_envs``' ``result["rows"]``).
 ENVS = Table((
-    Column("impl", "implementation", lambda r: r["impl"], 20, left=True),
+    Column("impl", "implementation", lambda r: r["impl"], 22, left=True),
     Column("n_envs", "N", lambda r: str(r["n_envs"]), 7),
     Column("steps/s", "env steps/s (median)", lambda r: fmt(r["steps_per_s"]), 11),
     Column("min", "min", lambda r: fmt((r.get("steps_per_s_spread") or [None])[0]), 11),
     Column("max", "max", lambda r: fmt((r.get("steps_per_s_spread") or [None])[-1]), 11),
     Column("ops/step", "aten ops / step", lambda r: fmt(r.get("ops_per_step"), "d"), 8),
+    Column("compile s", "seconds to compile", lambda r: fmt(r.get("compile_s"), ".1f"), 9),
     Column("vs ForagePy", "vs ForagePy", lambda r: f"{r['ratio_vs_py']:.1f}x", 11),
 ))
 
