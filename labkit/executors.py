@@ -51,6 +51,10 @@ class Eager:
     def wrap_model(self, fn: Any) -> Any:
         return fn
 
+    def wrap_env(self, env: Any) -> Any:
+        """The env as the rollout steps it (compiled executors may compile its step)."""
+        return env
+
     def wrap_step(self, step: Callable, *, state: Stateful,
                   generator: torch.Generator | None = None,
                   after_replay: Callable[[], object] | None = None) -> Callable:
@@ -81,6 +85,14 @@ class Compiled(Eager):
 
         return call
 
+    def wrap_env(self, env: Any) -> Any:
+        """Compile the env's step too where its class says compiling pays on this device type
+        (``compile_step_on``, a fixed default backed by a recorded ``bench-env --compiled``)."""
+        device = getattr(env, "device", None)  # host envs (NumPy, Python) have none
+        if device is not None and device.type in getattr(env, "compile_step_on", ()):
+            env.step = torch.compile(env.step, fullgraph=True)
+        return env
+
 
 @dataclass(frozen=True)
 class Graphed:
@@ -99,6 +111,9 @@ class Graphed:
 
     def wrap_model(self, fn: Any) -> Any:
         return self.base.wrap_model(fn)
+
+    def wrap_env(self, env: Any) -> Any:  # the captured rollout step includes the env's step
+        return self.base.wrap_env(env)
 
     def wrap_step(self, step: Callable, *, state: Stateful,
                   generator: torch.Generator | None = None,

@@ -249,8 +249,9 @@ class Pipeline:
         self.log_dir = Path(log_dir)
         self.logger = stage.logger(target=self.log_dir / "steps.jsonl")
         self.metrics = stage.metrics(device=device)
-        env = stage.env(n_envs=cfg.n_envs, spec=cfg.spec, seed=cfg.seed, device=device,
-                        env_offset=group.env_offset(cfg.n_envs))
+        env = stage.rollout_executor.wrap_env(stage.env(
+            n_envs=cfg.n_envs, spec=cfg.spec, seed=cfg.seed, device=device,
+            env_offset=group.env_offset(cfg.n_envs)))
         self.policy = stage.rollout_executor.wrap_model(self.agent)
         self.collector = stage.collector(
             env=env, n_steps=cfg.n_steps, metrics=self.metrics, device=device, clock=self.clock,

@@ -126,6 +126,12 @@ class ForageTorch:
 
     #: One batch of tensor ops steps every env: the cost grows with N only through the device.
     vectorized_on_device = True
+    #: Device types where the compiled stages (5 on) also ``torch.compile`` this step: a fixed
+    #: default, none today. On the CPU the compiled step is slower than eager, as recorded in
+    #: ``results/bench_env_cpu_compiled.json`` (a test holds this default to that file); on
+    #: CUDA it has not been measured yet (``bench-env --compiled`` there decides), and stage 8
+    #: captures the step in the rollout step's CUDA graph either way.
+    compile_step_on: frozenset[str] = frozenset()
 
     def __init__(self, n_envs: int, spec: ForageSpec | None = None, seed: int = 0,
                  device: str | torch.device = "cpu", final_obs: bool = False,
@@ -294,10 +300,9 @@ class ForageTorch:
         here, pos = self.lanes[:, 0], self.pos
         target = self._move[pos, actions]
         cell = here.gather(1, target.unsqueeze(1)).squeeze(1)
-        new_pos = torch.where(cell != WALL, target, pos)
         here.scatter_(1, pos.unsqueeze(1), EMPTY)
-        here.scatter_(1, new_pos.unsqueeze(1), AGENT_CELL)
-        pos.copy_(new_pos)
+        torch.where(cell != WALL, target, pos, out=pos)
+        here.scatter_(1, pos.unsqueeze(1), AGENT_CELL)
         return cell, self._reward_of.take(cell.long())
 
     def _hash(self, cell: torch.Tensor, reward: torch.Tensor
