@@ -634,7 +634,10 @@ def scaling_table(result: dict) -> str:
 
 
 def bench_env_table(result: dict) -> str:
-    return tables.ENVS.markdown(result["rows"])
+    fastest = [f"- N={n}: fastest {f['impl']}" + (f", {f['lead']:.2f}x {f['next']}"
+                                                   if f.get("lead") else "")
+               for n, f in (result.get("fastest") or {}).items()]
+    return "\n".join([tables.ENVS.markdown(result["rows"]), "", *fastest]).rstrip()
 
 
 def learning_table(result: dict) -> str:
