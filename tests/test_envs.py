@@ -413,3 +413,16 @@ def test_compiled_executor_compiles_the_env_step_where_the_default_says() -> Non
     assert wrapped._torchdynamo_orig_callable == eager_step  # torch.compile's wrapper
     numpy_env = ForageNumpy(4)
     assert Compiled().wrap_env(numpy_env) is numpy_env
+
+
+def test_reset_and_load_write_in_place() -> None:
+    """Compiled code and CUDA graphs hold the env's buffers: reset and load_state_dict keep
+    every one's storage."""
+    env = ForageTorch(8, ForageSpec(episode_length=10), seed=1)
+    pointers = {k: v.data_ptr() for k, v in env.buffers().items()}
+    saved = env.state_dict()
+    for _ in range(13):
+        env.step(torch.zeros(8, dtype=torch.int64))
+    env.load_state_dict(saved)
+    env.reset(seed=4)
+    assert {k: v.data_ptr() for k, v in env.buffers().items()} == pointers

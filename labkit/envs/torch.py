@@ -244,6 +244,13 @@ class ForageTorch:
         self._build(torch.stack((torch.full_like(self.t, self._n_draws), self._zero), 1))
         return self.observation(), {}
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every tensor of env state the step reads or writes in place. Compiled code and CUDA
+        graphs hold these very tensors, so ``reset`` and ``load_state_dict`` write into them."""
+        return {name: getattr(self, name) for name in (
+            "seed", "episode", "t", "episode_return", "lanes", "pos", "_next_pos", "_env_key",
+            "_keys", "_free")}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of the env state in ForageNumpy's layout: enough to resume bit-exactly with
         ``load_state_dict`` (here or in ForageTorchLoop)."""
