@@ -691,8 +691,12 @@ def results_markdown(folder: str | Path) -> str:
 
 def readme_section(folder: str | Path) -> str:
     """The README's results section: the best recorded device's ladder table."""
-    ladders = sorted(_load(Path(folder), "ladder_*.json"), key=lambda x: _device_rank(x[1]),
-                     reverse=True)
+    def rank(item: tuple[str, dict]) -> tuple:  # record's own file first among equals
+        name, r = item
+        own = name == f"ladder_{r['meta']['device']}_{r['meta'].get('profile')}.json"
+        return (*_device_rank(r)[:2], own, r["meta"]["date"])
+
+    ladders = sorted(_load(Path(folder), "ladder_*.json"), key=rank, reverse=True)
     if not ladders:
         return "No result is recorded yet: run `make record`.\n"
     name, r = ladders[0]
