@@ -349,12 +349,44 @@ def test_checkpoint_contents_are_validated(copy_of, capsys, edit, needle):
     run = copy_of()
     rewrite_checkpoint(run / "checkpoint.pt",
                        lambda p: (p["config"].update(total_steps=256), edit(p)))
+    # config.json agrees with the edited config: what is tested is the state against it.
+    edited = checkpoint.load(run / "checkpoint.pt")["config"]
+    (run / "config.json").write_text(json.dumps(edited))
     before = snapshot(run)
     code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert str(run / "checkpoint.pt") in err or "config" in err
     assert needle in err
     assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("field, edit", [
+    ("run.seed", lambda c: c["run"].update(seed=4)),
+    ("run.n_envs", lambda c: c["run"].update(n_envs=8)),
+    ("run.spec.episode_length", lambda c: c["run"]["spec"].update(episode_length=30)),
+    ("run.ppo.clip_coef", lambda c: c["run"]["ppo"].update(clip_coef=0.3)),
+    ("stage", lambda c: c.update(stage="gpu_metrics")),
+])
+def test_a_checkpoint_of_another_run_is_refused(copy_of, capsys, field, edit):
+    """A checkpoint copied into another run's folder would continue that run with the other
+    run's model, mixing two runs' metrics: refused, naming the field that differs."""
+    run = copy_of()
+    config = json.loads((run / "config.json").read_text())
+    edit(config)
+    (run / "config.json").write_text(json.dumps(config))
+    before = snapshot(run)
+    code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{run / 'checkpoint.pt'} belongs to another run: its {field} is" in err
+    assert snapshot(run) == before
+
+
+def test_a_checkpoint_with_a_longer_run_still_resumes(copy_of):
+    """The run's length is not what makes it another run: a longer total resumes."""
+    run = copy_of()
+    rewrite_checkpoint(run / "checkpoint.pt", lambda p: p["config"].update(total_steps=192))
+    summary = train(None, run, resume=True, progress=False)
+    assert summary["complete"] and summary["iterations"] == 3
 
 
 def test_a_flipped_byte_is_caught_by_the_checksum(copy_of, capsys):

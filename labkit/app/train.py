@@ -236,6 +236,8 @@ def _open_run(cfg: TrainConfig | None, out: Path, resume: bool
     if cfg is not None and cfg.to_dict() != saved_cfg.to_dict():
         raise ValueError(f"cfg differs from the config saved in {source}; pass cfg=None to "
                          "resume with the saved one")
+    if saved is not None and cfg_path.exists():
+        _check_same_run(saved_cfg, ckpt_path, cfg_path)
     if saved is not None:
         it, step = saved["state"]["iteration"], saved["state"]["global_step"]
         if it > saved_cfg.n_iterations or step != it * saved_cfg.run.batch_size:
@@ -249,6 +251,37 @@ def _open_run(cfg: TrainConfig | None, out: Path, resume: bool
             raise checkpoint.CheckpointError(f"{ckpt_path}: field 'ranks' must hold the state "
                                              f"of each of its {saved_cfg.world_size} ranks")
     return saved_cfg, saved
+
+
+#: What makes two runs different runs: a checkpoint must agree with its folder's config.json
+#: on these (the run's length and checkpoint interval may differ; they are the saved ones).
+SAME_RUN = ("stage", "run.n_envs", "run.n_steps", "run.seed", "run.value_head", "run.spec",
+            "run.ppo", "world_size")
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    return {k: v for key, value in data.items()
+            for k, v in _flat(value, f"{prefix}.{key}" if prefix else str(key)).items()}
+
+
+def _check_same_run(saved_cfg: TrainConfig, ckpt_path: Path, cfg_path: Path) -> None:
+    """Refuse a checkpoint that belongs to another run than the folder's ``config.json`` (a
+    copied or misplaced file would mix two runs' metrics and models), naming the field."""
+    try:
+        data = json.loads(cfg_path.read_text(encoding="utf-8"))
+        folder = TrainConfig.from_dict(data).to_dict()
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+            AttributeError, ValueError) as err:
+        raise checkpoint.CheckpointError(f"{cfg_path}: not a valid run config "
+                                         f"({type(err).__name__}: {err})") from None
+    ours, theirs = _flat(saved_cfg.to_dict()), _flat(folder)
+    for key in sorted(set(ours) | set(theirs)):
+        if key.startswith(SAME_RUN) and ours.get(key) != theirs.get(key):
+            raise checkpoint.CheckpointError(
+                f"{ckpt_path} belongs to another run: its {key} is {ours.get(key)!r}, "
+                f"{cfg_path} says {theirs.get(key)!r}; put it back in its own folder")
 
 
 def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
