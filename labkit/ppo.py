@@ -64,11 +64,17 @@ class PPOConfig:
                 raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
 
     def check_batch(self, n_envs: int, n_steps: int) -> int:
-        """Return the minibatch size; raise if n_minibatches does not divide n_envs * n_steps."""
+        """Return the minibatch size; raise if n_minibatches does not divide n_envs * n_steps,
+        or (with norm_adv) leaves one sample per minibatch: the std of one advantage is NaN."""
         batch = n_envs * n_steps
         if batch % self.n_minibatches:
             raise ValueError(f"n_minibatches must divide n_envs * n_steps = {batch}, "
                              f"got n_minibatches={self.n_minibatches}")
+        if self.norm_adv and batch == self.n_minibatches:
+            raise ValueError(f"n_minibatches={self.n_minibatches} leaves one sample per "
+                             f"minibatch of n_envs * n_steps = {batch}, and normalizing one "
+                             "advantage divides by a NaN std: use fewer minibatches, more "
+                             "envs or steps, or norm_adv=False")
         return batch // self.n_minibatches
 
 

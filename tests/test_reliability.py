@@ -389,6 +389,40 @@ def test_a_checkpoint_with_a_longer_run_still_resumes(copy_of):
     assert summary["complete"] and summary["iterations"] == 3
 
 
+def test_stale_temporary_checkpoints_are_removed_on_the_next_start(copy_of):
+    """A kill during an atomic write leaves its temporary file (a whole checkpoint); the next
+    start in that folder, holding its lock, removes them and nothing else."""
+    run = copy_of()
+    rewrite_checkpoint(run / "checkpoint.pt", lambda p: p["config"].update(total_steps=192))
+    stale = [run / ".checkpoint.pt.k1ll3d.tmp", run / ".summary.json.abc.tmp"]
+    for path in stale:
+        path.write_bytes(b"half a checkpoint")
+    (run / "notes.tmp").write_text("the user's")
+    train(None, run, resume=True, progress=False)
+    assert not any(path.exists() for path in stale) and (run / "notes.tmp").exists()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["train", "--n-envs", "1", "--n-steps", "4", "--total-steps", "8"], "n_minibatches=4 "
+     "leaves one sample per minibatch"),
+    (["bench-env", "--repeats", "99999999999999999999"], "--repeats: expected an integer in "
+     "[1, 1,000]"),
+    (["profile", "--iterations", "101"], "--iterations: expected an integer in [1, 100]"),
+    (["doctor", "--iterations", "99999999999999999999"], "--iterations: expected an integer "
+     "in [2, 10,000]"),
+    (["rehearse", "--iterations", "10001"], "--iterations: expected an integer in [1, 10,000]"),
+])
+def test_work_a_typo_makes_huge_or_impossible_is_refused_first(tmp_path, capsys, argv, needle):
+    out = ["--out", str(tmp_path / "o")] if argv[0] in ("train", "bench-env", "profile") else []
+    try:
+        code = main([*argv, *out])
+    except SystemExit as stop:  # argparse's refusals
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and needle in err, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_flipped_byte_is_caught_by_the_checksum(copy_of, capsys):
     run = copy_of()
     data = bytearray((run / "checkpoint.pt").read_bytes())

@@ -12,14 +12,18 @@ import sys
 from pathlib import Path
 
 
-def _int_at_least(low: int):
+def _int_at_least(low: int, high: int | None = None):
+    """An argparse type: an integer >= ``low`` (and <= ``high``: counts of work that a typo
+    would turn into hours are bounded)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        if value is None or value < low or (high is not None and value > high):
+            expected = f"an integer >= {low}" if high is None else \
+                f"an integer in [{low}, {high:,}]"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
     return parse
 
@@ -370,7 +374,7 @@ class _Parser(argparse.ArgumentParser):
 def _add_bench_env(sub) -> None:
     p = sub.add_parser("bench-env", help="time each Forage implementation")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--repeats", type=_positive_int, default=5,
+    p.add_argument("--repeats", type=_int_at_least(1, 1000), default=5,
                    help="rounds, each timing one episode of every implementation in turn "
                         "(default: %(default)s)")
     p.add_argument("--n-envs", type=_positive_int, nargs="+", default=None,
@@ -477,8 +481,9 @@ def _add_profile(sub) -> None:
     p.add_argument("--stage", type=_stage, default="fused_amp", help="0-8 or a name")
     p.add_argument("--n-envs", type=_positive_int, default=64, help="N (default: %(default)s)")
     p.add_argument("--n-steps", type=_positive_int, default=32, help="T (default: %(default)s)")
-    p.add_argument("--iterations", type=_positive_int, default=1,
-                   help="iterations traced, after one warmup (default: %(default)s)")
+    p.add_argument("--iterations", type=_int_at_least(1, 100), default=1,
+                   help="iterations traced, after one warmup; the trace keeps every event, "
+                        "so at most 100 (default: %(default)s)")
     p.add_argument("--top", type=_positive_int, default=15, help="rows of the top-ops table")
     p.add_argument("--out", type=_path, default="runs/profile", help="folder for the trace")
     p.set_defaults(func=cmd_profile)
@@ -507,8 +512,8 @@ def _add_doctor(sub) -> None:
                     "chapter with the fix. Exit 0 without findings, 1 with, 2 on a usage error.")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     _add_stage_flags(p, "fused_amp", "0-8 or a name", **DOCTOR_RUN)
-    p.add_argument("--iterations", type=_int_at_least(2), default=2,
-                   help="timed iterations, >= 2 (default: %(default)s)")
+    p.add_argument("--iterations", type=_int_at_least(2, 10_000), default=2,
+                   help="timed iterations, 2 to 10,000 (default: %(default)s)")
     p.add_argument("--json", action="store_true", help='print {"findings": [...], ...}')
     p.set_defaults(func=cmd_doctor)
 
@@ -524,7 +529,7 @@ def _add_rehearse(sub) -> None:
                     "otherwise, 2 on a usage error.")
     _add_stage_flags(p, "cuda_graphs", "a stage with CUDA graphs", n_envs=16, n_steps=16)
     p.add_argument("--device", default="cpu", help="cpu (the rehearsal's only device)")
-    p.add_argument("--iterations", type=_positive_int, default=2,
+    p.add_argument("--iterations", type=_int_at_least(1, 10_000), default=2,
                    help="iterations rehearsed (default: %(default)s)")
     p.set_defaults(func=cmd_rehearse)
 

@@ -348,6 +348,7 @@ def _train(cfg: TrainConfig | None, out: Path, resume: bool, progress: bool,
                 check_output_dir(tensorboard, "--tensorboard")
                 TensorBoardSink.check_installed()
             lock = FolderLock(out).acquire()
+            _remove_stale_temporaries(out)
             cfg, saved = _open_run(cfg, out, resume)
         except (ValueError, OSError) as err:
             if lock is not None:
@@ -369,6 +370,14 @@ def _train(cfg: TrainConfig | None, out: Path, resume: bool, progress: bool,
     finally:
         if lock is not None:
             lock.release()
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """Delete what an atomic write killed mid-way left (``.checkpoint.pt.XXXX.tmp``: each a
+    whole checkpoint's size). Only with the folder locked: no other writer can own them."""
+    for name in (*RUN_FILES, SUMMARY):
+        for tmp in out.glob(f".{name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
 
 
 def _rank_part(state: PipelineState) -> dict:

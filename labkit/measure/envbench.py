@@ -132,7 +132,7 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
     the steps of a sample and ``warmup``), the first call's seconds in ``compile_s``.
     ``fastest`` says which vectorized implementation leads at each N."""
     dev = resolve_device(device)
-    check_int("repeats", repeats, 1)
+    check_int("repeats", repeats, 1, 1000)
     check_int("warmup", warmup, 0)
     check_int("loop_envs", loop_envs, 1)
     check_int("episodes", episodes, 1)
