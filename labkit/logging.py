@@ -213,13 +213,15 @@ class JsonLines:
 
 class TensorBoardSink:
     """A sink: the numeric values of each record as TensorBoard scalars at the record's step
-    (``torch.utils.tensorboard``; needs the ``tensorboard`` package)."""
+    (``torch.utils.tensorboard``; needs the ``tensorboard`` package). ``purge_step``: a resumed
+    run's first new step; TensorBoard hides what an earlier session logged from that step on
+    (iterations it ran after its last checkpoint, which the resume runs again)."""
 
-    def __init__(self, log_dir: str | os.PathLike) -> None:
+    def __init__(self, log_dir: str | os.PathLike, purge_step: int | None = None) -> None:
         self.check_installed()
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(log_dir))
+        self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
 
     @staticmethod
     def check_installed() -> None:

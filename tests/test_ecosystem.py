@@ -67,6 +67,28 @@ def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(tmp_path):
                                                            rel=1e-6)
 
 
+def test_tensorboard_shows_replayed_iterations_once_after_a_resume(tmp_path):
+    """A session killed after its checkpoint logged iterations the resume runs again; the
+    resumed writer purges them, so TensorBoard shows every iteration once."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    cfg = TrainConfig.flat(stage="async_logging", device="cpu", n_envs=4, n_steps=16,
+                           total_steps=256, seed=2, checkpoint_every=0)
+    run, tb = tmp_path / "run", tmp_path / "tb"
+    train(cfg, run, progress=False, tensorboard=tb, stop_after=2)  # checkpoint at 2
+    killed = SummaryWriter(str(tb))  # what the killed session logged after it: iteration 3
+    killed.add_scalar("pg_loss", 123.0, 3 * 64)
+    killed.close()
+    train(None, run, resume=True, progress=False, tensorboard=tb)
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    scalars = events.Scalars("pg_loss")
+    assert [s.step for s in scalars] == [64, 128, 192, 256] and 123.0 not in \
+        [s.value for s in scalars]
+
+
 def test_tensorboard_writes_happen_off_the_training_thread(tmp_path):
     """Tensors logged to the TensorBoard sink are read (and written) by the async logger's
     thread: the training thread makes no host read, and the values arrive."""

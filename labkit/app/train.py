@@ -440,8 +440,9 @@ class _Session:
             return
         self.metrics_log = SyncLogger(out / METRICS, mode="a")
         resources.push(_closer(self.metrics_log))
-        if tensorboard is not None:
-            self.board = AsyncLogger(None, sinks=[TensorBoardSink(tensorboard)])
+        if tensorboard is not None:  # a resume replaces what came after its checkpoint
+            purge = self.pipe.global_step * self.group.world + 1 if self.start else None
+            self.board = AsyncLogger(None, sinks=[TensorBoardSink(tensorboard, purge)])
             resources.push(_closer(self.board))
 
     def record(self, it: int, stats: dict, t0: float) -> dict:
