@@ -423,6 +423,43 @@ def test_work_a_typo_makes_huge_or_impossible_is_refused_first(tmp_path, capsys,
     assert not (tmp_path / "o").exists()
 
 
+def test_a_complete_run_without_its_summary_gets_it_back(copy_of, capsys):
+    """A full disk, a stop or a crash at the very end leaves a finished run without
+    summary.json: --resume writes it from the final checkpoint and the metrics."""
+    run = copy_of()
+    original = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").unlink()
+    before = snapshot(run)
+    code, out, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
+    assert code == 0 and not err and "without its summary; wrote" in out, (out, err)
+    restored = json.loads((run / "summary.json").read_text())
+    for key in ("complete", "iterations", "steps", "param_checksums", "final_mean_return",
+                "config"):
+        assert restored[key] == original[key], key
+    assert {k: v for k, v in snapshot(run).items() if k != "summary.json"} == before
+    code, out, _ = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
+    assert code == 0 and "already complete" in out
+
+
+def test_a_summary_that_cannot_be_written_says_what_is_safe(copy_of, capsys, monkeypatch):
+    import errno
+
+    from labkit.app import train as train_module
+
+    def full_disk(path, data):
+        if Path(path).name == "summary.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write_json(path, data)
+
+    run = copy_of()
+    (run / "summary.json").unlink()
+    monkeypatch.setattr(train_module, "write_json", full_disk)
+    code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"could not write {run / 'summary.json'}" in err and "No space left" in err
+    assert f"safe in {run / 'checkpoint.pt'}" in err and "--resume" in err
+
+
 def test_a_flipped_byte_is_caught_by_the_checksum(copy_of, capsys):
     run = copy_of()
     data = bytearray((run / "checkpoint.pt").read_bytes())

@@ -220,6 +220,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if s.get("already_complete"):
         print(f"the run in {out} is already complete ({s['steps']:,} steps); nothing to do")
         return 0
+    if s.get("summary_restored"):
+        print(f"the run in {out} was complete ({s['steps']:,} steps) without its summary; "
+              f"wrote {out / 'summary.json'} from its final checkpoint and metrics")
+        return 0
     print(f"trained {s['steps']:,} steps ({s['stage']} on {s['device']}, "
           f"{s['threads']} CPU thread(s)) in {s['wall_s']:.0f} s: "
           f"final mean return {_num(s['final_mean_return'], '.2f')}, "

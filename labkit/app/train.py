@@ -562,8 +562,9 @@ class _Session:
 
 def _start_of(cfg: TrainConfig, saved: dict | None, out: Path, device: torch.device) -> int:
     """The iteration the run goes on from: 0, or the checkpoint's (refused on another kind of
-    device, or when the run is complete without its summary), with torch's intra-op thread
-    count set to the one the checkpoint was written with."""
+    device), with torch's intra-op thread count set to the one the checkpoint was written
+    with. A complete run's checkpoint gives its last iteration: nothing left to train, and
+    its summary is written again from that checkpoint and the metrics."""
     if saved is None:
         return 0
     if torch.device(saved["device"]).type != device.type:
@@ -573,10 +574,7 @@ def _start_of(cfg: TrainConfig, saved: dict | None, out: Path, device: torch.dev
     if isinstance(saved.get("threads"), int) and saved["threads"] != torch.get_num_threads():
         # CPU kernels may split a reduction by thread: the same count resumes bit for bit
         torch.set_num_threads(saved["threads"])
-    start = saved["state"]["iteration"]
-    if start == cfg.n_iterations and not (out / SUMMARY).exists():
-        raise ValueError(f"the run in {out} is complete ({start} iterations); nothing to resume")
-    return start
+    return saved["state"]["iteration"]
 
 
 def _load(pipe: Pipeline, saved: dict, group: Group, ckpt_path: Path) -> None:
@@ -604,7 +602,7 @@ def _run(cfg: TrainConfig, saved: dict | None, out: Path, progress: bool,
 
     device = check_runnable(cfg, group)
     start = _start_of(cfg, saved, out, device)
-    if start == cfg.n_iterations:  # complete, and its summary is there
+    if start == cfg.n_iterations and (out / SUMMARY).exists():  # nothing left to do
         return {**json.loads((out / SUMMARY).read_text(encoding="utf-8")),
                 "already_complete": True}
     kept = _read_metrics(out / METRICS, start) if group.is_main else []
@@ -635,7 +633,8 @@ def _run(cfg: TrainConfig, saved: dict | None, out: Path, progress: bool,
                             session.save()
                     _show(bar, record, steps)
             with signals_deferred(reraise=False):  # the run is done; a late stop changes nothing
-                session.save()
+                if session.behind():  # not when the last iteration's checkpoint is written
+                    session.save()
         except TrainingFailed:
             raise
         except (KeyboardInterrupt, Exception) as err:
@@ -646,5 +645,20 @@ def _run(cfg: TrainConfig, saved: dict | None, out: Path, progress: bool,
         session.session_s = time.perf_counter() - session.t_start
     summary = session.summary(end)
     if group.is_main:
-        write_json(out / SUMMARY, summary)
+        _write_summary(out, summary, restored=start == end)
     return summary
+
+
+def _write_summary(out: Path, summary: dict[str, Any], restored: bool) -> None:
+    """summary.json, a stop signal waiting for it (the run is done). If it cannot be written,
+    say what is safe and how to get it: the finished run is in checkpoint.pt."""
+    try:
+        with signals_deferred(reraise=False):
+            write_json(out / SUMMARY, summary)
+    except OSError as err:
+        raise TrainingFailed(
+            f"could not write {out / SUMMARY}: {describe_os_error(err)}. The finished run is "
+            f"safe in {out / checkpoint.FILENAME} and {out / METRICS}; free space, then "
+            f"python -m labkit train --resume {out} writes the summary") from None
+    if restored:
+        summary["summary_restored"] = True
