@@ -12,12 +12,14 @@ any device; a 0-d tensor is written as a number, a 1-d tensor as a list.
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 import queue
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -209,6 +211,25 @@ class JsonLines:
 
     def close(self) -> None:
         _close_stream(self.stream, self.owned)
+
+
+@contextlib.contextmanager
+def quiet_thread_os_errors() -> Iterator[None]:
+    """While active, an ``OSError`` that ends a background thread prints no traceback.
+    TensorBoard's event-file writer runs in a thread of its own; on a full disk it dies with a
+    14-line traceback, and the same error reaches the logger that owns it, which reports it on
+    the main thread in one line. Other exceptions still print."""
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not issubclass(args.exc_type, OSError):
+            previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
 
 
 class TensorBoardSink:

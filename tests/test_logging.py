@@ -270,3 +270,31 @@ def test_async_cuda_values_without_syncs():
     assert meter.cuda_syncs == 0
     records = [json.loads(s) for s in stream.getvalue().splitlines()]
     assert records == [expected(i) for i in range(20)]
+
+
+def test_a_background_thread_dying_of_a_disk_error_prints_no_traceback(monkeypatch):
+    """TensorBoard's own writer thread on a full disk: its owner reports the error in one
+    line, so the thread itself stays quiet; any other exception still reaches the hook that
+    prints it."""
+    import errno
+    import threading
+
+    from labkit.logging import quiet_thread_os_errors
+
+    printed = []  # stands for the hook in place (Python's prints a traceback)
+    monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.exc_type))
+
+    def run(exc: BaseException) -> None:
+        def die() -> None:
+            raise exc
+        t = threading.Thread(target=die)
+        t.start()
+        t.join()
+
+    with quiet_thread_os_errors():
+        run(OSError(errno.ENOSPC, "No space left on device"))
+        assert printed == []
+        run(ValueError("a bug"))
+        assert printed == [ValueError]
+    run(OSError(errno.ENOSPC, "No space left on device"))  # outside: as before
+    assert printed == [ValueError, OSError]

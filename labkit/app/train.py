@@ -38,7 +38,7 @@ from ..files import (
     write_json,
     write_jsonl,
 )
-from ..logging import AsyncLogger, SyncLogger, TensorBoardSink
+from ..logging import AsyncLogger, SyncLogger, TensorBoardSink, quiet_thread_os_errors
 from ..signals import signals_deferred, signum_of, stop_signals
 from ..stages import Pipeline, PipelineState, get_stage
 from ..validate import check_int
@@ -442,6 +442,7 @@ class _Session:
         resources.push(_closer(self.metrics_log))
         if tensorboard is not None:  # a resume replaces what came after its checkpoint
             purge = self.pipe.global_step * self.group.world + 1 if self.start else None
+            resources.enter_context(quiet_thread_os_errors())  # its writer thread's disk errors
             self.board = AsyncLogger(None, sinks=[TensorBoardSink(tensorboard, purge)])
             resources.push(_closer(self.board))
 
