@@ -778,3 +778,76 @@ def test_a_path_the_terminal_cannot_encode_does_not_fail_a_finished_run(tmp_path
     again = subprocess.run([*argv[:4], b"--resume", out, b"--no-progress"], cwd=ROOT, env=env,
                            capture_output=True, timeout=300)
     assert again.returncode == 0 and b"already complete" in again.stdout, again.stderr[-2000:]
+
+
+def _results_copy(tmp_path: Path) -> Path:
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for path in (ROOT / "results").glob("*.json"):
+        shutil.copy(path, folder)
+    return folder
+
+
+@pytest.mark.parametrize("name, text, needle", [
+    ("ladder_cpu_quick.json", "{}", "is not a labkit result: field 'meta' is missing"),
+    ("bench_env_cpu_quick.json", "[]", "is not a labkit result: field 'meta' is missing"),
+    ("ladder_cpu_quick.json", '{"meta": {"device": "cpu"', "is not valid JSON"),
+    ("learning_cpu_quick.json", None, "field 'budget' is missing"),
+    ("ladder_cpu_quick.json", None, "field 'config' is missing"),
+])
+def test_report_names_the_file_it_cannot_use(tmp_path, capsys, name, text, needle):
+    """Every results file is checked at the door (issue 23, class 2): one line naming the file
+    and what is wrong, exit 2, and RESULTS.md left as it was."""
+    folder = _results_copy(tmp_path)
+    if text is None:  # the file's meta, and nothing else of what its kind holds
+        meta = json.loads((folder / name).read_text())["meta"]
+        text = json.dumps({"meta": meta})
+    (folder / name).write_text(text)
+    code, _, err = run_cli(["report", "--results", str(folder)], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert str(folder / name) in err and needle in err, err
+    assert not (folder / "RESULTS.md").exists()
+
+
+def _metrics_run(tmp_path: Path, lines: list[str]) -> Path:
+    run = tmp_path / "RUN"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    return run
+
+
+GOOD = '{"step": 64, "wall_s": 1.0, "mean_return": 0.5}'
+
+
+@pytest.mark.parametrize("lines, needle", [
+    (['{"step": 64, "mean_return": 0.5}'], "line 1 has no number 'wall_s'"),
+    ([GOOD, '{"step": 128, "wall_s": 2.0, "mean_re', GOOD], "line 2 is not valid JSON"),
+    ([], "no iteration logged yet"),
+    (["[1, 2]"], "line 1 is not a record"),
+])
+def test_plot_runs_names_the_metrics_it_cannot_plot(tmp_path, capsys, lines, needle):
+    run = _metrics_run(tmp_path, lines)
+    code, _, err = run_cli(["plot-runs", str(run), "--out", str(tmp_path / "p.png")], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{run / 'metrics.jsonl'}: {needle}" in err, err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_runs_leaves_out_the_line_a_killed_run_was_writing(tmp_path, capsys):
+    run = _metrics_run(tmp_path, [GOOD, '{"step": 128, "wall_s": 2.0, "mean_re'])
+    code, out, _ = run_cli(["plot-runs", str(run), "--out", str(tmp_path / "p.png")], capsys)
+    assert code == 0 and (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[1, 2]", "holds a JSON list, not a run config object"),
+    ('{"stage": "async_logging", "run": {"n_envs": 4', "is not valid JSON"),
+    ('{"stage": "async_logging"}', "its config is not valid"),
+])
+def test_resume_names_a_config_json_it_cannot_use(tmp_path, capsys, text, needle):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(text)
+    code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert str(run / "config.json") in err and needle in err, err

@@ -593,8 +593,34 @@ def _rel(path: Path) -> str:
 
 
 def _load(folder: Path, pattern: str) -> list[tuple[str, dict]]:
-    return [(p.name, json.loads(p.read_text(encoding="utf-8")))
-            for p in sorted(folder.glob(pattern)) if not p.name.endswith("_partial.json")]
+    """The result files matching ``pattern``, each checked at the door: valid JSON, an object
+    with the ``meta`` every result has. ValueError names the file and the field."""
+    loaded = []
+    for p in sorted(folder.glob(pattern)):
+        if p.name.endswith("_partial.json"):
+            continue
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{p} is not valid JSON (torn or edited: {err})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("meta"), dict):
+            raise ValueError(f"{p} is not a labkit result: field 'meta' is missing")
+        for key in ("device", "device_name", "torch", "git_commit", "date"):
+            if not isinstance(data["meta"].get(key), str):
+                raise ValueError(f"{p}: field 'meta.{key}' is missing")
+        loaded.append((p.name, data))
+    return loaded
+
+
+def _section(path: Path, build: Callable[..., list[str]], *args: object) -> list[str]:
+    """``build(*args)``, with a file whose fields are not what a labkit result holds named in one
+    line (an older or foreign file in the results folder) instead of a traceback."""
+    try:
+        return build(*args)
+    except KeyError as err:
+        raise ValueError(f"{path}: field {err.args[0]!r} is missing") from None
+    except (TypeError, AttributeError, IndexError, ValueError) as err:
+        raise ValueError(f"{path} is not a labkit result of its kind ({err})") from None
 
 
 def _source(name: str, meta: dict) -> str:
@@ -663,29 +689,39 @@ def results_markdown(folder: str | Path) -> str:
                      reverse=True)
     if not any(r["meta"]["device"] == "cuda" for _, r in ladders):
         parts += ["**No GPU result is recorded yet.**", ""]
-    for name, r in ladders:
+    def ladder(name: str, r: dict) -> list[str]:
         run = r["config"]["run"]
-        parts += [f"## The ladder: {r['meta']['device_name']} ({r['meta']['device']}), "
-                  f"profile {r['meta']['profile']}", "", _source(name, r["meta"]) + f"; N="
-                  f"{run['n_envs']}, T={run['n_steps']}; matmul peak "
-                  f"{r['peak_flops'] / 1e9:,.0f} GFLOP/s ({r['peak_dtype']}).", "",
-                  ladder_table(r), "", runs_note(r), "",
-                  "Where an iteration goes (ms per iteration):", "",
-                  phase_table(r), ""]
+        lines = [f"## The ladder: {r['meta']['device_name']} ({r['meta']['device']}), "
+                 f"profile {r['meta']['profile']}", "", _source(name, r["meta"]) + f"; N="
+                 f"{run['n_envs']}, T={run['n_steps']}; matmul peak "
+                 f"{r['peak_flops'] / 1e9:,.0f} GFLOP/s ({r['peak_dtype']}).", "",
+                 ladder_table(r), "", runs_note(r), "",
+                 "Where an iteration goes (ms per iteration):", "",
+                 phase_table(r), ""]
         if r["scaling"]:
-            parts += ["Scaling (env steps/s over N):", "", scaling_table(r), ""]
-    for name, r in sorted(_load(folder, "bench_env_*.json"), key=lambda x: x[0]):
-        parts += [f"## Env benchmark: {r['meta']['device_name']} ({r['meta']['device']})", "",
-                  _source(name, r["meta"]) + "; random actions, each sample one whole episode, "
-                  f"the implementations in turn over {r['repeats']} rounds (warmup excluded); "
-                  "median, min and max.", "", bench_env_table(r), ""]
-    for name, r in sorted(_load(folder, "learning_*.json"), key=lambda x: x[0]):
+            lines += ["Scaling (env steps/s over N):", "", scaling_table(r), ""]
+        return lines
+
+    def bench(name: str, r: dict) -> list[str]:
+        return [f"## Env benchmark: {r['meta']['device_name']} ({r['meta']['device']})", "",
+                _source(name, r["meta"]) + "; random actions, each sample one whole episode, "
+                f"the implementations in turn over {r['repeats']} rounds (warmup excluded); "
+                "median, min and max.", "", bench_env_table(r), ""]
+
+    def learning(name: str, r: dict) -> list[str]:
         b = r["budget"]
-        parts += [f"## Learning: {r['meta']['device_name']} ({r['meta']['device']})", "",
-                  _source(name, r["meta"]) + f"; seed 1, {b['n_envs']} envs x {b['n_steps']} "
-                  f"steps, {b['total_steps']:,} env steps per stage; final = the last 5 "
-                  "iterations.", "", learning_table(r), "",
-                  f"![learning curves]({Path(name).stem}.png)", ""]
+        return [f"## Learning: {r['meta']['device_name']} ({r['meta']['device']})", "",
+                _source(name, r["meta"]) + f"; seed 1, {b['n_envs']} envs x {b['n_steps']} "
+                f"steps, {b['total_steps']:,} env steps per stage; final = the last 5 "
+                "iterations.", "", learning_table(r), "",
+                f"![learning curves]({Path(name).stem}.png)", ""]
+
+    for name, r in ladders:
+        parts += _section(folder / name, ladder, name, r)
+    for name, r in sorted(_load(folder, "bench_env_*.json"), key=lambda x: x[0]):
+        parts += _section(folder / name, bench, name, r)
+    for name, r in sorted(_load(folder, "learning_*.json"), key=lambda x: x[0]):
+        parts += _section(folder / name, learning, name, r)
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -700,14 +736,17 @@ def readme_section(folder: str | Path) -> str:
     if not ladders:
         return "No result is recorded yet: run `make record`.\n"
     name, r = ladders[0]
-    run = r["config"]["run"]
     gpu = "" if r["meta"]["device"] == "cuda" else \
         "**No GPU result is recorded yet**; this is the CPU record. "
-    return (f"{gpu}From {_source(name, r['meta'])}; N={run['n_envs']}, "
-            f"T={run['n_steps']}:\n\n{ladder_table(r)}\n\n{runs_note(r)}\n\n"
-            f"![ladder](results/{Path(name).stem}_ladder.png)\n\n"
-            "Every recorded table (phases, scaling, env benchmark, learning) is in "
-            "[results/RESULTS.md](results/RESULTS.md).\n")
+
+    def section() -> list[str]:
+        run = r["config"]["run"]
+        return [f"{gpu}From {_source(name, r['meta'])}; N={run['n_envs']}, "
+                f"T={run['n_steps']}:\n\n{ladder_table(r)}\n\n{runs_note(r)}\n\n"
+                f"![ladder](results/{Path(name).stem}_ladder.png)\n\n"
+                "Every recorded table (phases, scaling, env benchmark, learning) is in "
+                "[results/RESULTS.md](results/RESULTS.md).\n"]
+    return _section(Path(folder) / name, section)[0]
 
 
 def write_report(folder: str | Path = "results", readme: str | Path | None = None

@@ -224,13 +224,13 @@ def _open_run(cfg: TrainConfig | None, out: Path, resume: bool
         saved = checkpoint.check(checkpoint.load(ckpt_path), ckpt_path)
         source, data = ckpt_path, saved["config"]
     elif cfg_path.exists():
-        source, data = cfg_path, json.loads(cfg_path.read_text(encoding="utf-8"))
+        source, data = cfg_path, _read_json(cfg_path)
     else:
         raise ValueError(f"no run to resume in {out}: neither {checkpoint.FILENAME} nor "
                          f"{CONFIG} is there")
     try:
         saved_cfg = TrainConfig.from_dict(data)
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise checkpoint.CheckpointError(f"{source}: its config is not valid: "
                                          f"{type(err).__name__}: {err}") from None
     if cfg is not None and cfg.to_dict() != saved_cfg.to_dict():
@@ -266,14 +266,27 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
             for k, v in _flat(value, f"{prefix}.{key}" if prefix else str(key)).items()}
 
 
+def _read_json(path: Path) -> dict:
+    """A JSON object from ``path``, or CheckpointError naming the file (torn, not JSON, or
+    JSON of another shape)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise checkpoint.CheckpointError(f"{path} is not valid JSON (torn or edited: {err})"
+                                         ) from None
+    if not isinstance(data, dict):
+        raise checkpoint.CheckpointError(f"{path} holds a JSON {type(data).__name__}, not a "
+                                         "run config object")
+    return data
+
+
 def _check_same_run(saved_cfg: TrainConfig, ckpt_path: Path, cfg_path: Path) -> None:
     """Refuse a checkpoint that belongs to another run than the folder's ``config.json`` (a
     copied or misplaced file would mix two runs' metrics and models), naming the field."""
+    data = _read_json(cfg_path)
     try:
-        data = json.loads(cfg_path.read_text(encoding="utf-8"))
         folder = TrainConfig.from_dict(data).to_dict()
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
-            AttributeError, ValueError) as err:
+    except (KeyError, TypeError, AttributeError, ValueError) as err:
         raise checkpoint.CheckpointError(f"{cfg_path}: not a valid run config "
                                          f"({type(err).__name__}: {err})") from None
     ours, theirs = _flat(saved_cfg.to_dict()), _flat(folder)

@@ -115,11 +115,31 @@ def learning_curves(curves: dict[str, list[dict]], axes=None, oracle: float | No
 
 
 def run_curve(run_dir: str | Path) -> list[dict]:
-    """Learning-curve points (steps, wall_s, mean_return) of a ``train`` run's metrics.jsonl."""
+    """Learning-curve points (steps, wall_s, mean_return) of a ``train`` run's metrics.jsonl.
+    A line that is not a record with those numbers raises ValueError naming the file, the line
+    and the field; a torn last line (the run was killed mid-write) is left out."""
     import json
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [{"steps": r["step"], "wall_s": r["wall_s"], "mean_return": r["mean_return"]}
-            for r in map(json.loads, lines)]
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    points = []
+    for i, line in enumerate(lines, 1):
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines):
+                break  # the line a killed run was writing
+            raise ValueError(f"{path}: line {i} is not valid JSON") from None
+        if not isinstance(r, dict):
+            raise ValueError(f"{path}: line {i} is not a record")
+        for key in ("step", "wall_s", "mean_return"):
+            if isinstance(r.get(key), bool) or not isinstance(r.get(key), (int, float)):
+                raise ValueError(f"{path}: line {i} has no number {key!r} (a run of an older "
+                                 "labkit, or another file)")
+        points.append({"steps": r["step"], "wall_s": r["wall_s"],
+                       "mean_return": r["mean_return"]})
+    if not points:
+        raise ValueError(f"{path}: no iteration logged yet")
+    return points
 
 
 def save_figures(result: dict, out_dir: str | Path, stem: str) -> list[Path]:
