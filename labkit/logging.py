@@ -47,6 +47,9 @@ def _open(target: Target, mode: str) -> tuple[IO[str], bool]:
 def _check(key: str, value: object) -> object:
     """Validate one value without reading tensor data; NumPy scalars become Python numbers."""
     if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            raise TypeError(f"{key}: expected a real number or tensor, got a {value.dtype} "
+                            "tensor")
         if value.ndim > 1:
             raise ValueError(f"{key}: expected a 0-d or 1-d tensor, got shape {tuple(value.shape)}")
         return value.detach()
@@ -57,6 +60,13 @@ def _check(key: str, value: object) -> object:
     if isinstance(value, numbers.Real):
         return float(value)
     raise TypeError(f"{key}: expected a number or a tensor, got {type(value).__name__}")
+
+
+def _check_step(step: object) -> int:
+    """The record's step: a Python or NumPy int (a tensor would need a host read to write)."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    return int(step)
 
 
 def _to_python(value: object) -> object:
@@ -106,7 +116,7 @@ class SyncLogger(_LoggerBase):
     def log(self, step: int, **values: Value) -> None:
         if not self._finalizer.alive:
             raise ValueError("log() on a closed SyncLogger")
-        record = {"step": step}
+        record = {"step": _check_step(step)}
         for key, value in values.items():
             record[key] = _to_python(_check(key, value))  # host sync per tensor value
         self._stream.write(dumps(record) + "\n")
@@ -307,6 +317,7 @@ class AsyncLogger(_LoggerBase):
         self._raise_writer_error()
         if not self._finalizer.alive:
             raise ValueError("log() on a closed AsyncLogger")
+        step = _check_step(step)
         snapshot: dict[str, object] = {}
         cuda_devices: set[torch.device] = set()
         for key, value in values.items():

@@ -851,3 +851,26 @@ def test_resume_names_a_config_json_it_cannot_use(tmp_path, capsys, text, needle
     code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert str(run / "config.json") in err and needle in err, err
+
+
+def test_python_api_names_the_argument(tmp_path):
+    """Bad input to the public API is a TypeError naming the argument, raised at the call
+    (not in a writer thread or deep in pathlib): issue 23, G9."""
+    import gymnasium as gym
+
+    from labkit.logging import AsyncLogger, SyncLogger
+
+    for bad in (5, {"height": 9}, "x"):
+        with pytest.raises(TypeError, match="forage must be a ForageSpec"):
+            gym.make("labkit/Forage-v0", forage=bad)
+        with pytest.raises(TypeError, match="forage must be a ForageSpec"):
+            gym.make_vec("labkit/Forage-v0", num_envs=2, forage=bad)
+    with pytest.raises(TypeError, match="out must be a folder path"):
+        train(tiny_config(), None, progress=False)
+    for cls in (AsyncLogger, SyncLogger):
+        with cls(tmp_path / f"{cls.__name__}.jsonl") as log:
+            with pytest.raises(TypeError, match="x: expected a real number or tensor"):
+                log.log(1, x=torch.tensor(1 + 2j))
+            with pytest.raises(TypeError, match="step must be an int, got Tensor"):
+                log.log(torch.tensor(1), x=1.0)
+            log.log(2, x=1.0)  # still usable: nothing reached the writer

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import signal
 import time
 from collections import deque
@@ -318,6 +319,8 @@ def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
     checkpoints hold every rank's envs (a stop signal keeps the last scheduled checkpoint:
     ranks stopped mid-iteration cannot agree on a newer one).
     """
+    if isinstance(out, bool) or not isinstance(out, (str, os.PathLike)):
+        raise TypeError(f"out must be a folder path (str or Path), got {type(out).__name__}")
     if stop_after is not None:
         check_int("stop_after", stop_after, 1)
     group = join(_device_type(cfg, Path(out), resume))

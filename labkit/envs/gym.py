@@ -32,6 +32,16 @@ ENV_ID = "labkit/Forage-v0"
 BACKENDS = ("numpy", "torch")
 
 
+def _spec(forage: object) -> ForageSpec:
+    """The ``forage`` keyword (``gym.make(..., forage=ForageSpec(...))``), checked."""
+    if forage is None:
+        return ForageSpec()
+    if not isinstance(forage, ForageSpec):
+        raise TypeError(f"forage must be a ForageSpec (labkit.envs.ForageSpec(height=..., "
+                        f"...)), got {type(forage).__name__}")
+    return forage
+
+
 def _observation_space(forage: ForageSpec) -> spaces.Box:
     return spaces.Box(0.0, 1.0, forage.obs_shape, np.float32)
 
@@ -50,7 +60,7 @@ class ForageEnv(gym.Env):
     metadata = {"render_modes": []}
 
     def __init__(self, forage: ForageSpec | None = None) -> None:
-        self.forage = forage if forage is not None else ForageSpec()
+        self.forage = _spec(forage)
         self.observation_space = _observation_space(self.forage)
         self.action_space = spaces.Discrete(N_ACTIONS)
         self._env = ForagePy(self.forage, seed=0, final_obs=True)
@@ -95,7 +105,7 @@ class ForageVectorEnv(VectorEnv):
                  backend: str = "numpy", device: str | torch.device = "cpu") -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.forage = forage if forage is not None else ForageSpec()
+        self.forage = _spec(forage)
         self.num_envs, self.backend = check_n_envs(num_envs, "num_envs"), backend
         self.single_observation_space = _observation_space(self.forage)
         self.single_action_space = spaces.Discrete(N_ACTIONS)
