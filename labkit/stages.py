@@ -150,7 +150,7 @@ def get_stage(key: Stage | int | str) -> Stage:
     """A stage by index (int or digit string) or name; a clear error otherwise."""
     if isinstance(key, Stage):
         return key
-    if isinstance(key, str) and key.strip().isdigit():
+    if isinstance(key, str) and key.strip().isdecimal():  # not isdigit: '²' is a digit
         key = int(key)
     for s in STAGES:
         if (isinstance(key, int) and not isinstance(key, bool) and key == s.index) \

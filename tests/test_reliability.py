@@ -874,3 +874,28 @@ def test_python_api_names_the_argument(tmp_path):
             with pytest.raises(TypeError, match="step must be an int, got Tensor"):
                 log.log(torch.tensor(1), x=1.0)
             log.log(2, x=1.0)  # still usable: nothing reached the writer
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["train", "--stage", "²"], "stage must be one of 0-8"),
+    (["ladder", "--stages", "3,²"], "stage must be one of 0-8"),
+    (["plot-runs", "RUN", "--oracle", "inf"], "--oracle: expected a finite number, got 'inf'"),
+    (["plot-runs", "RUN", "--oracle", "nan"], "--oracle: expected a finite number, got 'nan'"),
+    (["plot-runs", "RUN", "--out", "curves.txt"], "--out: curves.txt names no image format"),
+])
+def test_more_flags_name_themselves(tmp_path, capsys, monkeypatch, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    _metrics_run(tmp_path, [GOOD])
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and needle in err, err
+    assert not (tmp_path / "curves.txt").exists()
+
+
+def test_a_stage_named_twice_is_measured_once():
+    from labkit.app.cli import _stage_list
+
+    assert [s.index for s in _stage_list("3,3,batched_ops,4")] == [3, 4]

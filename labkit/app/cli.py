@@ -8,6 +8,7 @@ is, and exit 1. Ctrl-C, SIGTERM and SIGHUP keep what finished and exit 128 + the
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -67,9 +68,20 @@ def _stage_list(text: str) -> list:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated stages (0-{len(STAGE_NAMES) - 1} or names), got {text!r}")
     try:
-        return [get_stage(part) for part in parts if part]
+        stages = [get_stage(part) for part in parts if part]
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+    return list({s.name: s for s in stages}.values())  # a stage named twice runs once
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def _stage(text: str) -> str:
@@ -253,6 +265,11 @@ def cmd_plot_runs(args: argparse.Namespace) -> int:
         if not (Path(d) / "metrics.jsonl").is_file():
             raise ValueError(f"runs: {d} is not a train run folder (no metrics.jsonl in it)")
     out = Path(args.out)
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if out.suffix[1:].lower() not in formats:
+        raise ValueError(f"--out: {out.name} names no image format matplotlib writes; end it "
+                         f"in one of {', '.join('.' + f for f in sorted(formats))}")
     check_output_dir(out.parent, "--out's folder")
     _check_not_a_folder(out)
     curves = {Path(d).name: run_curve(d) for d in args.runs}
@@ -541,7 +558,8 @@ def _add_rehearse(sub) -> None:
 def _add_plot_runs(sub) -> None:
     p = sub.add_parser("plot-runs", help="learning curves of train runs (steps and wall time)")
     p.add_argument("runs", type=_path, nargs="+", help="train --out folders")
-    p.add_argument("--oracle", type=float, default=None, help="draw the oracle's return")
+    p.add_argument("--oracle", type=_finite_float, default=None,
+                   help="draw the oracle's return")
     p.add_argument("--out", type=_path, default="results/learning.png", help="PNG to write")
     p.set_defaults(func=cmd_plot_runs)
 
