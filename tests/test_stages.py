@@ -437,4 +437,4 @@ def test_a_collector_refuses_an_env_it_cannot_step(stage, env):
     reason = wrong.skip_reason(torch.device("cpu"))
     assert reason and f"cannot step {env}" in reason
     with pytest.raises(StageSkipped, match=f"cannot step {env}"):
-        Pipeline(wrong, RunConfig(n_envs=2, n_steps=2), "cpu")
+        Pipeline(wrong, RunConfig(n_envs=2, n_steps=4), "cpu")
