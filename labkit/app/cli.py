@@ -265,13 +265,13 @@ def cmd_plot_runs(args: argparse.Namespace) -> int:
         if not (Path(d) / "metrics.jsonl").is_file():
             raise ValueError(f"runs: {d} is not a train run folder (no metrics.jsonl in it)")
     out = Path(args.out)
+    check_output_dir(out.parent, "--out's folder")
+    _check_not_a_folder(out)
     formats = plt.figure().canvas.get_supported_filetypes()
     plt.close("all")
     if out.suffix[1:].lower() not in formats:
         raise ValueError(f"--out: {out.name} names no image format matplotlib writes; end it "
                          f"in one of {', '.join('.' + f for f in sorted(formats))}")
-    check_output_dir(out.parent, "--out's folder")
-    _check_not_a_folder(out)
     curves = {Path(d).name: run_curve(d) for d in args.runs}
     axes = learning_curves(curves, oracle=args.oracle)
     axes[0].figure.savefig(out, dpi=120)
