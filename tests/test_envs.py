@@ -426,3 +426,40 @@ def test_reset_and_load_write_in_place() -> None:
     env.load_state_dict(saved)
     env.reset(seed=4)
     assert {k: v.data_ptr() for k, v in env.buffers().items()} == pointers
+
+
+def test_a_state_of_another_spec_is_refused() -> None:
+    """The step relies on the spec's counts of walls and items (the respawn's modulus is a
+    constant of the spec): a state that does not hold them is refused, naming the grid."""
+    state = ForageTorch(4, ForageSpec(), seed=1).state_dict()
+    other = ForageTorch(4, ForageSpec(n_walls=0, n_food=1, n_poison=0), seed=1)
+    with pytest.raises(ValueError, match=r"state\['grid'\] must hold this spec's 0 walls"):
+        other.load_state_dict(state)
+    bad_pos = {**state, "pos": torch.full_like(state["pos"], -3)}
+    with pytest.raises(ValueError, match=r"state\['pos'\] must be interior cells"):
+        ForageTorch(4, ForageSpec(), seed=1).load_state_dict(bad_pos)
+
+
+def test_observation_is_float32_whatever_the_default_dtype() -> None:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        env = ForageTorch(2, seed=0)
+        assert env.observation().dtype == torch.float32
+        assert env.step(torch.zeros(2, dtype=torch.int64))[0].dtype == torch.float32
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_parity_on_a_grid_too_big_for_the_window_table() -> None:
+    """Beyond 4M window-table entries the observation maps offsets on each call."""
+    spec = ForageSpec(height=130, width=130, view=17, n_walls=400, episode_length=9)
+    envs = {"numpy": VecEnv(ForageNumpy(2, spec, 3, final_obs=True)),
+            "torch": VecEnv(ForageTorch(2, spec, 3, final_obs=True))}
+    assert envs["torch"].env._window is None
+    rng = np.random.default_rng(0)
+    np.testing.assert_array_equal(envs["numpy"].reset(), envs["torch"].reset())
+    for _ in range(20):
+        a = rng.integers(0, 5, 2)
+        for got, want in zip(envs["torch"].step(a), envs["numpy"].step(a), strict=True):
+            assert np.array_equal(got, want)

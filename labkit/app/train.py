@@ -284,18 +284,21 @@ def _read_json(path: Path) -> dict:
 def _check_same_run(saved_cfg: TrainConfig, ckpt_path: Path, cfg_path: Path) -> None:
     """Refuse a checkpoint that belongs to another run than the folder's ``config.json`` (a
     copied or misplaced file would mix two runs' metrics and models), naming the field."""
-    data = _read_json(cfg_path)
+    recover = (f"(the checkpoint holds its own config: to resume it, delete or restore "
+               f"{cfg_path})")
     try:
-        folder = TrainConfig.from_dict(data).to_dict()
+        folder = TrainConfig.from_dict(_read_json(cfg_path)).to_dict()
     except (KeyError, TypeError, AttributeError, ValueError) as err:
         raise checkpoint.CheckpointError(f"{cfg_path}: not a valid run config "
-                                         f"({type(err).__name__}: {err})") from None
+                                         f"({type(err).__name__}: {err}) {recover}") from None
     ours, theirs = _flat(saved_cfg.to_dict()), _flat(folder)
     for key in sorted(set(ours) | set(theirs)):
-        if key.startswith(SAME_RUN) and ours.get(key) != theirs.get(key):
+        same_run_field = any(key == f or key.startswith(f + ".") for f in SAME_RUN)
+        if same_run_field and ours.get(key) != theirs.get(key):
             raise checkpoint.CheckpointError(
                 f"{ckpt_path} belongs to another run: its {key} is {ours.get(key)!r}, "
-                f"{cfg_path} says {theirs.get(key)!r}; put it back in its own folder")
+                f"{cfg_path} says {theirs.get(key)!r}; a checkpoint copied from another run "
+                f"folder, or an edited config.json {recover}")
 
 
 def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,

@@ -6,13 +6,13 @@ captured in a CUDA graph. What makes it fast is what it does *not* do on every s
 
 * **The reset is built ahead.** The next episode's layout depends only on (seed, env, episode),
   so it is built one placement draw per step while the current episode runs, in a second grid
-  (lane 1), and swapped in with one ``torch.where`` when the episode ends. Each step does the
+  (lane 1), and swapped in with int8 arithmetic where the episode ended. Each step does the
   same small amount of layout work whether 0 or N episodes end. Where an episode is shorter
   than the number of draws, each step makes ``ceil(draws / episode_length)`` of them.
 * **One search finds both cells.** The respawn of an eaten item (lane 0) and the layout draw
   (lane 1) are each "the k-th free cell" of their lane: one ``cumsum`` over both lanes' free
   masks and one ``searchsorted`` find them. The number of free cells at a respawn is the same
-  on every step (interior - walls - items), so k needs no count.
+  on every step (interior - walls - items, a constant of the spec), so k needs no count.
 * **The hash is mostly prefix.** ``hash32`` mixes (seed, env, episode, step, draw) in turn; the
   per-env and per-episode prefixes are kept and updated when an episode ends, so a step mixes
   two levels (``rng.chain``).
@@ -105,7 +105,7 @@ def nth_free(free: torch.Tensor, n: torch.Tensor, dtype: torch.dtype = torch.int
     """Column of the ``n``-th (1-based) nonzero in each row of ``free`` (0/1 or bool, shape
     ``[..., C]``; ``n`` has the leading shape), or C where the row has fewer: a running count,
     then a binary search for the first column where it reaches n. ``dtype`` must hold
-    C + 1."""
+    C + 1, and ``n`` must be in [1, C + 1] (larger values would wrap in that dtype)."""
     cols = free.shape[-1]
     count = free.reshape(-1, cols).cumsum(1, dtype=dtype).view(free.shape)
     return torch.searchsorted(count, n.to(dtype).unsqueeze(-1)).squeeze(-1)
@@ -113,7 +113,7 @@ def nth_free(free: torch.Tensor, n: torch.Tensor, dtype: torch.dtype = torch.int
 
 def kth_free(free: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Column of the k-th (0-based) True in each row of ``free`` (len(row) where k >= count)."""
-    return nth_free(free, k + 1)
+    return nth_free(free, (k + 1).clamp(max=free.shape[-1] + 1))
 
 
 class ForageTorch:
@@ -155,8 +155,9 @@ class ForageTorch:
         #: column 1 takes the writes of the other draws).
         self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self._next_pos = torch.zeros(n, 2, dtype=torch.int64, device=dev)
-        #: Hash prefixes: chain(GOLDEN, seed, env), then per env the episode's prefix E, the next
-        #: episode's F, and the env prefix xored with episode + 2 (the one after).
+        #: Hash keys: chain(GOLDEN, seed, env), then per env the episode's prefix E, the next
+        #: episode's prefix F, and the env key xored with episode + 2 (mixed, it is the prefix
+        #: of the episode after next).
         self._env_key = torch.zeros(n, dtype=torch.int64, device=dev)
         self._keys = torch.zeros(n, 3, dtype=torch.int64, device=dev)
         self._free = torch.empty(n, 2, self._n_cells, dtype=torch.int8, device=dev)  # scratch
@@ -187,7 +188,11 @@ class ForageTorch:
         self._draw_table = on_device(rows, torch.int64)
         self._draw_kind = on_device(kinds, torch.int8)
         self._move = on_device(interior[cells[:, None] + lay.deltas[None, :]])
-        self._window = on_device(interior[cells[:, None] + lay.window[None, :]])
+        # The window table costs cells x view^2 int64: kept up to 4M entries (32 MiB); beyond,
+        # the observation maps padded offsets to interior columns on each call.
+        self._window_offsets = on_device(lay.window)
+        self._window = on_device(interior[cells[:, None] + lay.window[None, :]]) \
+            if n_cells * len(lay.window) <= 2**22 else None
         self._interior, self._cells = on_device(interior), on_device(cells)
         self._base = on_device(lay.base)
         self._channel_kinds = on_device(lay.channel_kinds)
@@ -262,12 +267,12 @@ class ForageTorch:
                 "episode_return": self.episode_return.clone()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a ``state_dict`` (this env's, ForageNumpy's as tensors, or ForageTorchLoop's),
+        after checking on the host that it is a state this spec can reach: the step relies on
+        the spec's counts of walls and items (a state of another spec is refused)."""
         check_state(state, self.state_dict())
+        self._check_reachable(state)
         pos = self._interior[state["pos"].to(self.device)]
-        if bool((pos == self._n_cells).any()) \
-                or bool(((state["t"] < 0) | (state["t"] >= self.spec.episode_length)).any()):
-            raise ValueError("state['pos'] must be interior cells and state['t'] steps in "
-                             f"[0, {self.spec.episode_length})")
         for key in ("seed", "episode", "t", "episode_return"):
             getattr(self, key).copy_(state[key])  # in place: compiled code and graphs keep it
         self.pos.copy_(pos)
@@ -277,11 +282,34 @@ class ForageTorch:
         self.lanes[:, 0].scatter_(1, pos.unsqueeze(1), AGENT_CELL)
         self._build(torch.stack((self._zero, self._built_ahead()), 1))
 
+    def _check_reachable(self, state: dict[str, torch.Tensor]) -> None:
+        s, lay = self.spec, self._layout
+        pos, t, grid = state["pos"].cpu(), state["t"].cpu(), state["grid"].cpu()
+        if bool(((pos < 0) | (pos >= len(lay.base))).any()) \
+                or bool((self._interior.cpu()[pos] == self._n_cells).any()) \
+                or bool(((t < 0) | (t >= s.episode_length)).any()):
+            raise ValueError("state['pos'] must be interior cells and state['t'] steps in "
+                             f"[0, {s.episode_length})")
+        cells = torch.as_tensor(lay.cells)
+        inside, outside = grid[:, cells], grid.clone()
+        outside[:, cells] = WALL
+        counts = [(inside == kind).sum(1) for kind in (WALL, FOOD, POISON)]
+        if not bool((outside == WALL).all()) or any(
+                bool((c != want).any()) for c, want in zip(counts, (s.n_walls, s.n_food,
+                                                                     s.n_poison))) \
+                or bool((grid.gather(1, pos.unsqueeze(1)) != EMPTY).any()):
+            raise ValueError(f"state['grid'] must hold this spec's {s.n_walls} walls, "
+                             f"{s.n_food} food and {s.n_poison} poison inside a wall border, "
+                             "and nothing under the agent (a state of another spec?)")
+
     # --------------------------------------------------------------------- the step
 
     def observation(self) -> torch.Tensor:
-        cells = self.lanes[:, 0].gather(1, self._window.index_select(0, self.pos))
-        obs = torch.empty(self.n_envs, *self.spec.obs_shape, device=self.device)
+        window = self._window.index_select(0, self.pos) if self._window is not None else \
+            self._interior[self._cells[self.pos].unsqueeze(1) + self._window_offsets]
+        cells = self.lanes[:, 0].gather(1, window)
+        obs = torch.empty(self.n_envs, *self.spec.obs_shape, dtype=torch.float32,
+                          device=self.device)
         torch.eq(cells.unsqueeze(1), self._channel_kinds.view(1, -1, 1), out=obs.view(
             self.n_envs, len(self._channel_kinds), -1))  # straight into float32
         return obs
@@ -290,7 +318,9 @@ class ForageTorch:
                                                    torch.Tensor, dict]:
         actions = check_actions(actions, self.n_envs, self.device)
         cell, reward = self._walk(actions)
-        passes, next_prefix = self._hash(cell, reward)
+        draws = self._draws_now()  # the next layout's draws this step makes (from t)
+        self.t += 1
+        passes, next_prefix = self._hash(cell, reward, draws)
         for n, values, column in passes:  # one pass, or more if episodes are short
             col = self._place(n, values)
             self._next_pos.scatter_(1, column, col[:, 1:])
@@ -312,15 +342,20 @@ class ForageTorch:
         here.scatter_(1, pos.unsqueeze(1), AGENT_CELL)
         return cell, self._reward_of.take(cell.long())
 
-    def _hash(self, cell: torch.Tensor, reward: torch.Tensor
-              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """Advance t; per placement pass, the 1-based free-cell numbers (respawn, next layout's
-        draw), the values to write and the draw's ``_next_pos`` column; and the prefix of the
-        episode after next."""
+    def _draws_now(self) -> list[torch.Tensor]:
+        """The draws of the next layout a step at ``t`` makes: ``t``, or ``t * per_step + j``
+        when episodes are shorter than the layout (``_n_draws``: the layout is done)."""
         t, per_step, draws = self.t, self._draws_per_step, self._n_draws
-        ds = [t.clamp(max=draws)] if per_step == 1 else \
+        return [t.clamp(max=draws)] if per_step == 1 else \
             [(t * per_step + j).clamp_(max=draws) for j in range(per_step)]
-        t += 1
+
+    def _hash(self, cell: torch.Tensor, reward: torch.Tensor, ds: list[torch.Tensor]
+              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Per placement pass (after ``t`` moved on): the 1-based free-cell numbers (respawn,
+        the next layout's draw ``d``), the values to write and the draw's ``_next_pos`` column
+        (table columns: moduli 0-1, offsets to a 1-based n 2-3, column 4); and the prefix of
+        the episode after next."""
+        t = self.t
         # Level 1: E ^ t (the respawn at step t), F ^ 0 (the next layout, step 0), and the
         # prefix after; level 2 mixes in the draw: 0 for the respawn, d for the layout.
         level1 = mix(self._keys ^ torch.stack((t, self._zero, self._zero), 1))
