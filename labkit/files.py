@@ -101,9 +101,9 @@ def check_output_dir(path: str | os.PathLike, what: str = "--out") -> Path:
     ``what`` and the path: it exists as a file, a parent is a file, no permission, a read-only
     or virtual file system."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise OutputError(f"{what} {path}: exists and is not a folder")
     try:
+        if path.exists() and not path.is_dir():
+            raise OutputError(f"{what} {path}: exists and is not a folder")
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=path, prefix=".labkit-probe-")
         os.close(fd)

@@ -1,5 +1,10 @@
 """Stopping cleanly: Ctrl-C, SIGTERM and SIGHUP end long work the same way, keeping what it
-finished, and a save in progress is never cut short by a second signal."""
+finished, and a save in progress is never cut short by a second signal.
+
+A stop is raised where the signal lands, and it is also remembered: code that swallows every
+exception cannot lose it. torch.compile's guards are such code (a guard whose Python check
+raises is cleared and counted as failed), so a Ctrl-C that lands in one would vanish; the
+loops of labkit call :func:`raise_if_stopped` at each iteration's end and stop there."""
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +25,10 @@ class Stop(KeyboardInterrupt):
         self.signum = signum
 
 
+#: The signals caught by each open :func:`stop_signals` block, innermost last.
+_caught: list[list[int]] = []
+
+
 def signum_of(stop: BaseException) -> int:
     """The signal behind a KeyboardInterrupt (SIGINT for a plain one)."""
     return getattr(stop, "signum", signal.SIGINT)
@@ -33,15 +42,30 @@ def stop_signals() -> Iterator[None]:
         yield
         return
 
+    caught: list[int] = []
+
     def stop(signum: int, frame: object) -> None:
+        caught.append(signum)
         raise Stop(signum)
 
-    old = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    _caught.append(caught)
+    old: dict = {}
     try:
+        for s in STOP_SIGNALS:
+            old[s] = signal.signal(s, stop)
         yield
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+        _caught[:] = [c for c in _caught if c is not caught]  # by identity, not equality
+
+
+def raise_if_stopped() -> None:
+    """Raise :class:`Stop` if the innermost :func:`stop_signals` block caught a signal whose
+    stop never arrived (something between the handler and the caller swallowed it). Called
+    where a loop can stop cleanly: the end of an iteration, of a timing round."""
+    if _caught and _caught[-1]:
+        raise Stop(_caught[-1][0])
 
 
 @contextlib.contextmanager
@@ -53,9 +77,10 @@ def signals_deferred(reraise: bool = True) -> Iterator[list[int]]:
         yield []
         return
     pending: list[int] = []
-    old = {s: signal.signal(s, lambda signum, frame: pending.append(signum))
-           for s in STOP_SIGNALS}
+    old: dict = {}
     try:
+        for s in STOP_SIGNALS:
+            old[s] = signal.signal(s, lambda signum, frame: pending.append(signum))
         yield pending
     finally:
         for s, handler in old.items():

@@ -249,6 +249,121 @@ def test_a_stop_during_a_periodic_save_stops_training_after_it(tmp_path):
     assert iteration == 1 and metrics_lines(out) == 1  # it did not train on
 
 
+def signal_on_call(monkeypatch, owner, name: str, sig: int, call: int = 1,
+                   swallow: bool = False) -> list:
+    """Make the ``call``-th call of ``owner.name`` send ``sig`` to this process first (a real
+    signal, handled by whatever handler is installed); ``swallow``: catch the stop it raises,
+    as code that clears every error does (torch.compile's guards)."""
+    real, calls = getattr(owner, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            try:
+                signal.raise_signal(sig)
+            except KeyboardInterrupt:
+                if not swallow:
+                    raise
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapped)
+    return calls
+
+
+def test_a_stop_that_something_swallows_is_never_lost(tmp_path, monkeypatch, capsys):
+    """C-SIGINT-ignored-once: a torch.compile guard whose Python check raises is cleared and
+    counted as failed, so a Ctrl-C landing in one vanished and the run trained to its end.
+    The stop is remembered and taken at the end of the iteration it landed in."""
+    calls = signal_on_call(monkeypatch, Pipeline, "iteration", signal.SIGINT, call=3,
+                           swallow=True)
+    out = tmp_path / "r"
+    code, _, err = run_cli(["train", *TINY[:-3], "--total-steps", "640", "--checkpoint-every",
+                            "0", "--no-progress", "--out", str(out)], capsys)
+    assert code == 130 and "interrupted by SIGINT" in err and "--resume" in err, err
+    assert len(calls) == 3 and metrics_lines(out) == 3
+    assert checkpoint.load(out / "checkpoint.pt")["state"]["iteration"] == 3
+
+
+def test_raise_if_stopped_raises_only_a_stop_caught_in_its_block():
+    from labkit.signals import Stop, raise_if_stopped, stop_signals
+
+    raise_if_stopped()  # outside any block: nothing
+    with stop_signals():
+        raise_if_stopped()
+        with pytest.raises(Stop):
+            signal.raise_signal(signal.SIGHUP)
+        with pytest.raises(Stop) as stop:
+            raise_if_stopped()
+        assert stop.value.signum == signal.SIGHUP
+        with stop_signals():
+            raise_if_stopped()  # an inner block caught nothing
+    raise_if_stopped()
+
+
+def test_a_stop_while_the_pipeline_builds_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    """C-sigint-during-build-message, C-startup-SIGTERM-1.0s: config.json is written, so the
+    same command again is refused; the stop says so and gives the --resume hint."""
+    import labkit.app.train
+
+    signal_on_call(monkeypatch, labkit.app.train, "build_pipeline", signal.SIGTERM)
+    out = tmp_path / "r"
+    argv = ["train", *TINY, "--out", str(out)]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 143 and "SIGTERM before training started" in err
+    assert f"holds the run's config" in err and f"--resume {out}" in err
+    assert (out / "config.json").exists() and not (out / "checkpoint.pt").exists()
+    monkeypatch.undo()
+    assert run_cli(argv, capsys)[0] == 2  # the folder holds the run
+    code, stdout, _ = run_cli(["train", "--resume", str(out), "--no-progress"], capsys)
+    assert code == 0 and "trained 128 steps" in stdout
+
+
+def _bench_env(tmp_path):
+    return ["bench-env", "--device", "cpu", "--n-envs", "64", "--repeats", "3", "--out",
+            str(tmp_path)]
+
+
+@pytest.mark.parametrize("case", ["bench-env-round-2", "bench-env-round-1", "doctor",
+                                  "profile", "ladder-figures"])
+def test_every_command_stops_alike_on_a_signal(tmp_path, monkeypatch, capsys, case):
+    """bench-env, doctor, profile and ladder (also while writing figures): one line, exit
+    128 + the signal, and what finished is kept (C-bench-env-SIGTERM, C-doctor-SIGTERM,
+    C-profile-SIGHUP, C-ladder-SIGTERM-while-saving-figures)."""
+    import labkit.book.plots
+    import labkit.measure.envbench
+
+    sig = signal.SIGHUP if case == "profile" else signal.SIGTERM
+    if case.startswith("bench-env"):  # 4 implementations per round
+        call = 6 if case.endswith("2") else 2
+        signal_on_call(monkeypatch, labkit.measure.envbench, "timed", sig, call=call)
+        argv = _bench_env(tmp_path)
+    elif case == "ladder-figures":
+        signal_on_call(monkeypatch, labkit.book.plots, "save_figures", sig)
+        argv = ["ladder", "--device", "cpu", "--stages", "3", "--n-envs", "4", "--n-steps",
+                "8", "--iterations", "2", "--no-scaling", "--no-progress", "--out",
+                str(tmp_path)]
+    else:
+        signal_on_call(monkeypatch, Pipeline, "iteration", sig, call=2)
+        argv = {"doctor": ["doctor", "--device", "cpu", "--stage", "4", "--iterations", "5"],
+                "profile": ["profile", "--device", "cpu", "--stage", "4", "--n-envs", "8",
+                            "--n-steps", "16", "--out", str(tmp_path)]}[case]
+    code, _, err = run_cli(argv, capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 128 + sig and len(lines) == 1, err
+    assert f"interrupted by {signal.Signals(sig).name}" in lines[0]
+    files = sorted(p.name for p in tmp_path.iterdir())
+    if case == "bench-env-round-2":
+        assert files == ["bench_env_cpu_partial.json"] and "1 round(s)" in lines[0]
+        result = json.loads((tmp_path / files[0]).read_text())
+        assert result["interrupted"] == "SIGTERM" and result["repeats"] == 1
+        assert all(len(r["samples_s"]) == 1 for r in result["rows"])
+    elif case == "ladder-figures":  # the stop waited for the figures
+        assert "ladder_cpu_quick.json" in files and len(files) == 5
+        assert "while writing the results; they are all written" in lines[0]
+    else:
+        assert files == [] and "stopped" in lines[0]
+
+
 # ---------------------------------------------------------------- 5. one run per folder
 
 
@@ -290,6 +405,103 @@ def test_a_bad_line_in_the_middle_of_the_metrics_stops_resume(copy_of, capsys):
     code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
     assert code == 2 and "metrics.jsonl line 1 is not valid JSON" in err
     assert snapshot(run) == before  # nothing dropped
+
+
+def _unfinished_copy(copy_of) -> Path:
+    """A copy of the finished run made unfinished (4 iterations, 2 done), so that resuming
+    reads its metrics."""
+    run = copy_of()
+    rewrite_checkpoint(run / "checkpoint.pt", lambda p: p["config"].update(total_steps=256))
+    (run / "summary.json").unlink()
+    return run
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("duplicate", "metrics.jsonl line 2 repeats iteration 1"),
+    ("gap", "metrics.jsonl line 1 skips from iteration 0 to 2"),
+    ("short", "metrics.jsonl ends at iteration 1, but the checkpoint holds iteration 2"),
+    ("metrics-folder", "metrics.jsonl is a folder"),
+    ("lock-folder", ".lock is a folder"),
+    ("config-folder", "config.json is a folder"),
+])
+def test_a_damaged_run_folder_is_refused_naming_the_file(copy_of, capsys, damage, needle):
+    """C-metrics-duplicate-record, C-metrics-missing-record, C-metrics-is-directory,
+    C-lock-is-directory: one line naming the file, exit 2, the folder untouched."""
+    run = _unfinished_copy(copy_of)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    edits = {"duplicate": lambda: [lines[0], *lines], "gap": lambda: lines[1:],
+             "short": lambda: lines[:1]}
+    if damage in edits:
+        (run / "metrics.jsonl").write_text("\n".join(edits[damage]()) + "\n")
+    else:
+        name = {"metrics-folder": "metrics.jsonl", "lock-folder": ".lock",
+                "config-folder": "config.json"}[damage]
+        (run / name).unlink(missing_ok=True)
+        (run / name).mkdir()
+    before = snapshot(run)
+    code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
+    assert code == 2 and err.count("\n") == 1 and needle in err, err
+    assert snapshot(run) == before
+
+
+def test_a_read_only_folder_is_refused_naming_the_flag_given(copy_of, capsys, monkeypatch):
+    """C-resume-readonly-folder: the user gave --resume, so the message names --resume."""
+    import errno
+
+    import labkit.files
+
+    run = _unfinished_copy(copy_of)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(labkit.files.tempfile, "mkstemp", read_only)
+    code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
+    assert code == 2 and f"--resume {run}: cannot write there (Read-only file system)" in err
+    # A-report-readonly: refused up front naming --results (it named a temporary file, exit 1)
+    results = run.parent / "results"
+    results.mkdir()
+    code, _, err = run_cli(["report", "--results", str(results)], capsys)
+    assert code == 2 and f"--results {results}: cannot write there" in err
+    assert list(results.iterdir()) == []
+
+
+def test_a_run_folder_deleted_mid_run_is_said_so(tmp_path, monkeypatch):
+    """C-deleted-folder-midrun: the line said the deleted checkpoint held the state."""
+    out = tmp_path / "r"
+    real = Pipeline.iteration
+    calls = []
+
+    def delete_the_folder(self):
+        calls.append(1)
+        if len(calls) == 3:
+            shutil.rmtree(out)
+        return real(self)
+
+    monkeypatch.setattr(Pipeline, "iteration", delete_the_folder)
+    with pytest.raises(TrainingFailed, match="was deleted, with its checkpoint") as err:
+        train(tiny_config(total_steps=640), out, progress=False)
+    assert "holds the state" not in str(err.value) and not out.exists()
+
+
+def test_a_trace_the_profiler_could_not_write_is_named(tmp_path, monkeypatch, capsys):
+    """C-diskfull-profile: torch's trace export fails silently on a full disk (no file, or a
+    cut one), and the error named a file labkit then failed to read. Now: the trace's path and
+    the cause, exit 1, no leftovers."""
+    import labkit.measure.profiling as profiling
+
+    def full_disk_export(self, path):
+        Path(f"{path}.tmp").write_text("")  # what the export leaves on a full disk
+
+    monkeypatch.setattr(profiling.profile, "export_chrome_trace", full_disk_export)
+    monkeypatch.setattr(profiling.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(
+        1 << 30, 1 << 30, 4096))
+    argv = ["profile", "--device", "cpu", "--stage", "3", "--n-envs", "8", "--n-steps", "16",
+            "--out", str(tmp_path)]
+    code, _, err = run_cli(argv, capsys)
+    trace = tmp_path / "batched_ops_cpu.pt.trace.json"
+    assert code == 1 and err == f"error: No space left on device {trace}\n"
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------- 7. and 8. the ladder
@@ -720,6 +932,17 @@ def _cases():
         (["record", "--notebooks", "", "--plan"], "notebooks must be a glob"),
         (["record", "--notebooks", "zzz*.ipynb", "--plan"], "matches no notebook"),
         (["record", "--notebooks", "none", "--parts", "notebooks", "--plan"], "select nothing"),
+    ]
+    # A name longer than the file system allows names its flag (issue 23, G4).
+    long = "x" * 300
+    cases += [
+        (["train", *TINY, "--out", long], "--out"),
+        (["train", "--resume", long], "--resume"),
+        (["ladder", "--device", "cpu", "--stages", "3", "--out", long], "--out"),
+        (["bench-env", "--out", long], "--out"),
+        (["profile", "--out", long], "--out"),
+        (["report", "--results", long], "--results"),
+        (["plot-runs", long], "runs"),
     ]
     return cases
 

@@ -96,6 +96,7 @@ def cmd_bench_env(args: argparse.Namespace) -> int:
     from ..device import resolve_device
     from ..files import check_output_dir, write_json
     from ..measure.envbench import bench_envs, format_table
+    from ..signals import signals_deferred
 
     device = resolve_device(args.device)
     out = check_output_dir(args.out) / f"bench_env_{device.type}.json"
@@ -103,9 +104,27 @@ def cmd_bench_env(args: argparse.Namespace) -> int:
     result = bench_envs(device=device, repeats=args.repeats, n_envs=args.n_envs,
                         compiled=args.compiled, compile_loop=args.compile_loop)
     print(format_table(result))
-    write_json(out, result)
+    stop = result.get("interrupted")
+    if stop:  # the rounds that finished, beside (never over) a complete run's file
+        out = out.with_name(f"{out.stem}_partial.json")
+    with signals_deferred():  # a file half written is worse than none
+        write_json(out, result)
     print(f"wrote {out}")
+    if stop:
+        import signal
+        print(f"interrupted by {stop}: {out} holds the {result['repeats']} round(s) that "
+              "finished", file=sys.stderr)
+        return 128 + signal.Signals[stop]
     return 0
+
+
+def _is_dir(path: Path, flag: str) -> bool:
+    """Whether ``path`` is a folder; a path the file system refuses to look up (a name too
+    long) is a user error naming ``flag``."""
+    try:
+        return path.is_dir()
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: {err.strerror or err}") from None
 
 
 def _check_not_a_folder(path: Path) -> None:
@@ -129,7 +148,7 @@ def cmd_ladder(args: argparse.Namespace) -> int:
         ladder_plan,
         run_ladder,
     )
-    from ..signals import stop_signals
+    from ..signals import signals_deferred, stop_signals
 
     device = resolve_device(args.device)
     profile = args.profile or ("full" if device.type == "cuda" else "quick")
@@ -153,23 +172,28 @@ def cmd_ladder(args: argparse.Namespace) -> int:
     with stop_signals():
         result = run_ladder(cfg, device, stages=args.stages, scaling=not args.no_scaling,
                             profile=profile, progress=progress, threads=args.threads)
-    bar.n = bar.total
-    bar.close()
-    print(format_ladder(result))
-    if any(r.get("status") == "ok" for r in result["ladder"]):
-        print("\nwhere an iteration goes:\n" + format_phases(result))
-    if result["scaling"]:
-        print("\nscaling sweep:\n" + format_scaling(result))
-    if format_noise(result):
-        print("\n" + format_noise(result))
-    if result.get("interrupted"):
-        stem += "_partial"
-    out = write_json(out_dir / f"{stem}.json", result)
-    figures = save_figures(result, out_dir, stem)
-    print(f"wrote {out}, " + ", ".join(str(p) for p in figures))
-    if result.get("interrupted"):
+    with signals_deferred(reraise=False) as late:  # what was measured is shown and written
+        bar.n = bar.total
+        bar.close()
+        print(format_ladder(result))
+        if any(r.get("status") == "ok" for r in result["ladder"]):
+            print("\nwhere an iteration goes:\n" + format_phases(result))
+        if result["scaling"]:
+            print("\nscaling sweep:\n" + format_scaling(result))
+        if format_noise(result):
+            print("\n" + format_noise(result))
+        if result.get("interrupted"):
+            stem += "_partial"
+        out = write_json(out_dir / f"{stem}.json", result)
+        figures = save_figures(result, out_dir, stem)
+        print(f"wrote {out}, " + ", ".join(str(p) for p in figures))
+    if result.get("interrupted") or late:
         import signal
-        return 128 + signal.Signals[result["interrupted"]]
+        if not result.get("interrupted"):
+            print(f"interrupted by {signal.Signals(late[0]).name} while writing the results; "
+                  "they are all written", file=sys.stderr)
+        return 128 + (signal.Signals[result["interrupted"]] if result.get("interrupted")
+                      else late[0])
     failed = [r for r in result["ladder"] + result["scaling"]
               if r["status"].startswith("error")]
     return 1 if failed else 0
@@ -183,6 +207,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ..distributed import current
     from ..files import check_output_dir, unique_folder
     from ..logging import TensorBoardSink
+    from ..signals import signum_of
     from .train import TrainConfig, TrainingFailed, TrainingInterrupted, check_runnable, train
 
     group = current()  # under torchrun: this process's rank (every rank runs this command)
@@ -195,7 +220,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ValueError("--resume continues the run in its own folder; drop --out or "
                              "give the same folder")
         cfg, out = None, Path(args.resume)
-        if not out.is_dir():
+        if not _is_dir(out, "--resume"):
             raise ValueError(f"--resume {out}: no such run folder")
     else:
         cfg = TrainConfig.flat(**given, world_size=group.world)
@@ -221,12 +246,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         if group.is_main:
             print(f"error: {_one_line(err)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        kept = (out / "checkpoint.pt").exists()
-        print("\ninterrupted before training " + (
-            f"resumed; {out / 'checkpoint.pt'} is unchanged" if kept else
-            "started; nothing saved"), file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:  # before the loop: nothing trained in this session
+        if group.is_main:
+            print(f"\n{_stopped_before_training(stop, out)}", file=sys.stderr)
+        return 128 + signum_of(stop)
     if not group.is_main:
         return 0
     if s.get("already_complete"):
@@ -245,6 +268,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stopped_before_training(stop: BaseException, out: Path) -> str:
+    """What a stop before the first iteration of this session kept, and how to go on."""
+    import signal
+
+    from ..signals import signum_of
+    from .train import CONFIG
+
+    how = f"interrupted by {signal.Signals(signum_of(stop)).name} before training"
+    hint = f"\ncontinue with: python -m labkit train --resume {out}"
+    if (out / "checkpoint.pt").exists():
+        return f"{how} resumed; {out / 'checkpoint.pt'} is unchanged{hint}"
+    if (out / CONFIG).exists():  # the folder holds the run: the same command again is refused
+        return f"{how} started; {out} holds the run's config and nothing trained yet{hint}"
+    return f"{how} started; nothing saved"
+
+
 def _one_line(text: object) -> str:
     """A message on one line (torch's errors span several)."""
     return " ".join(str(text).split())
@@ -260,9 +299,10 @@ def cmd_plot_runs(args: argparse.Namespace) -> int:
 
     from ..book.plots import learning_curves, run_curve
     from ..files import check_output_dir
+    from ..signals import signals_deferred
 
     for d in args.runs:
-        if not (Path(d) / "metrics.jsonl").is_file():
+        if not _is_dir(Path(d), "runs") or not (Path(d) / "metrics.jsonl").is_file():
             raise ValueError(f"runs: {d} is not a train run folder (no metrics.jsonl in it)")
     out = Path(args.out)
     check_output_dir(out.parent, "--out's folder")
@@ -274,7 +314,8 @@ def cmd_plot_runs(args: argparse.Namespace) -> int:
                          f"in one of {', '.join('.' + f for f in sorted(formats))}")
     curves = {Path(d).name: run_curve(d) for d in args.runs}
     axes = learning_curves(curves, oracle=args.oracle)
-    axes[0].figure.savefig(out, dpi=120)
+    with signals_deferred():  # an image half written is worse than none
+        axes[0].figure.savefig(out, dpi=120)
     plt.close(axes[0].figure)
     print(f"wrote {out}")
     return 0
@@ -378,8 +419,11 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from .record import write_report
 
-    if not Path(args.results).is_dir():
+    from ..files import check_output_dir
+
+    if not _is_dir(Path(args.results), "--results"):
         raise ValueError(f"--results: {args.results!r} is not a folder (make record writes one)")
+    check_output_dir(args.results, "--results")  # RESULTS.md is written there: refused up front
     for path in write_report(args.results):
         print(f"wrote {path}")
     return 0
@@ -588,20 +632,38 @@ def _escape_unprintable() -> None:
             stream.reconfigure(errors="backslashreplace")
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ..files import describe_os_error
+#: What a command stopped by a signal has kept, where it does not say so itself (train,
+#: ladder, bench-env and record keep what finished and say what that is).
+KEPT_AFTER_STOP = {"train": "nothing was saved", "doctor": "it writes no file", "rehearse": "it writes no file",
+                   "profile": "no trace was written",
+                   "bench-env": "no round had finished; nothing was written",
+                   "ladder": "nothing had been measured; nothing was written",
+                   "report": "each file it writes is replaced whole or not at all",
+                   "plot-runs": "the figure is written whole or not at all"}
 
-    _escape_unprintable()
-    parser = build_parser()
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    from ..files import describe_os_error
+    from ..signals import signum_of, stop_signals
+
+    command = "labkit"
     try:
-        return args.func(args)
+        with stop_signals():  # from the first line: a signal at any moment stops alike
+            _escape_unprintable()
+            args = build_parser().parse_args(argv)
+            command = args.command
+            return args.func(args)
     except (ValueError, TypeError) as err:
         print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
     except OSError as err:
         print(f"error: {_one_line(describe_os_error(err))}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # train and ladder keep their work and say so themselves
-        print(f"interrupted: {args.command} stopped", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:  # train, ladder and record say what they kept
+        signum = signum_of(stop)
+        kept = KEPT_AFTER_STOP.get(command)
+        print(f"\ninterrupted by {signal.Signals(signum).name}: {command} stopped"
+              + (f"; {kept}" if kept else ""), file=sys.stderr)
+        return 128 + signum

@@ -436,6 +436,9 @@ class _Session:
             result = bench_envs(device=self.device, repeats=1, n_envs=(64,), loop_envs=4)
         else:
             result = bench_envs(device=self.device, repeats=5)
+        if result.get("interrupted"):  # a recorded file holds whole runs only
+            from ..signals import Stop
+            raise Stop(_signum(result["interrupted"]))
         result["meta"] = self.meta
         return [write_json(self.out / f"bench_env_{self.device.type}_{self.profile}.json",
                            result)]

@@ -40,7 +40,7 @@ from ..files import (
     write_jsonl,
 )
 from ..logging import AsyncLogger, SyncLogger, TensorBoardSink, quiet_thread_os_errors
-from ..signals import signals_deferred, signum_of, stop_signals
+from ..signals import raise_if_stopped, signals_deferred, signum_of, stop_signals
 from ..stages import Pipeline, PipelineState, get_stage
 from ..validate import check_int
 from . import checkpoint
@@ -175,7 +175,7 @@ def _read_metrics(path: Path, keep_through: int) -> list[dict]:
     if not path.exists():
         return []
     lines = path.read_text(encoding="utf-8").splitlines()
-    kept = []
+    kept: list[dict] = []
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
@@ -191,7 +191,17 @@ def _read_metrics(path: Path, keep_through: int) -> list[dict]:
                              "an integer iteration); repair or delete that line, then resume")
         if record["iteration"] > keep_through:
             break
+        if record["iteration"] != len(kept) + 1:  # one record per iteration, in order
+            what = (f"repeats iteration {record['iteration']}"
+                    if record["iteration"] <= len(kept) else
+                    f"skips from iteration {len(kept)} to {record['iteration']}")
+            raise ValueError(f"{path} line {number} {what}: a resumed run would keep the "
+                             "damage; repair or restore the file, then resume")
         kept.append(record)
+    if len(kept) < keep_through:
+        raise ValueError(f"{path} ends at iteration {len(kept)}, but the checkpoint holds "
+                         f"iteration {keep_through}: its records after {len(kept)} are missing; "
+                         "restore the file, then resume")
     return kept
 
 
@@ -312,7 +322,9 @@ def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
     start. ``stop_after`` ends the run early after that iteration (counted from the run's
     start), with a checkpoint. Ctrl-C, SIGTERM and SIGHUP save the state of the last finished
     iteration, close the logs and raise :class:`TrainingInterrupted` (further signals wait for
-    the save). A non-finite loss or a write error raises :class:`TrainingFailed` saying where
+    the save); before the first iteration they raise :class:`labkit.signals.Stop`, and a
+    config.json written is kept for a resume. A signal that something swallows (a torch.compile
+    guard clears any error) stops the run at the end of that iteration. A non-finite loss or a write error raises :class:`TrainingFailed` saying where
     the last good state is; so does a NaN or inf that ``debug_checks`` (the debug module's
     finite-ness checks, also on with ``LABKIT_DEBUG=1``) finds. The folder is locked while
     training: a second process writing to it gets a clear error. Returns the summary (also
@@ -327,8 +339,8 @@ def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
     if stop_after is not None:
         check_int("stop_after", stop_after, 1)
     group = join(_device_type(cfg, Path(out), resume))
-    try:
-        with debug.enable(debug_checks or debug.enabled()):
+    try:  # a stop before the loop (the build, a compile) is a KeyboardInterrupt out of here
+        with debug.enable(debug_checks or debug.enabled()), stop_signals():
             return _train(cfg, Path(out), resume, progress, stop_after, tensorboard, group)
     finally:
         leave(group)
@@ -362,10 +374,11 @@ def _train(cfg: TrainConfig | None, out: Path, resume: bool, progress: bool,
             if resume and not any((out / name).exists() for name in RUN_FILES):
                 raise ValueError(f"no run to resume in {out}: neither {checkpoint.FILENAME} "
                                  f"nor {CONFIG} is there")
-            out = check_output_dir(out)
+            out = check_output_dir(out, "--resume" if resume else "--out")
             if tensorboard is not None:
                 check_output_dir(tensorboard, "--tensorboard")
                 TensorBoardSink.check_installed()
+            _check_run_files(out)
             lock = FolderLock(out).acquire()
             _remove_stale_temporaries(out)
             cfg, saved = _open_run(cfg, out, resume)
@@ -389,6 +402,16 @@ def _train(cfg: TrainConfig | None, out: Path, resume: bool, progress: bool,
     finally:
         if lock is not None:
             lock.release()
+
+
+def _check_run_files(out: Path) -> None:
+    """Each name the run writes is a file or free: a folder (or a device) in its place is
+    refused at the door, naming it, before the lock is taken or anything is read."""
+    for name in (*RUN_FILES, SUMMARY, FolderLock.NAME):
+        path = out / name
+        if path.exists() and not path.is_file():
+            kind = "a folder" if path.is_dir() else "not a regular file"
+            raise ValueError(f"{path} is {kind}; a run writes a file there: move it away")
 
 
 def _remove_stale_temporaries(out: Path) -> None:
@@ -529,8 +552,12 @@ class _Session:
                 self.save()
 
     def where(self) -> str:
+        if not self.ckpt_path.parent.is_dir():
+            return f"the run folder {self.ckpt_path.parent} was deleted, with its checkpoint"
         if self.saved_iteration is None:
             return "no checkpoint was written yet"
+        if not self.ckpt_path.is_file():
+            return f"{self.ckpt_path}, written after iteration {self.saved_iteration}, is gone"
         return f"{self.ckpt_path} holds the state after iteration {self.saved_iteration}"
 
     def stopped(self, err: BaseException) -> BaseException:
@@ -642,16 +669,16 @@ def _run(cfg: TrainConfig, saved: dict | None, out: Path, progress: bool,
             unit_scale=True, desc=f"train {cfg.stage}", disable=not (progress and group.is_main)))
         session.t_start = time.perf_counter()
         try:
-            with stop_signals():
-                for it in range(start, end):
-                    t0 = time.perf_counter()
-                    record = session.record(it, pipe.iteration(), t0)
-                    session.log(record)
-                    session.keep(record)
-                    if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
-                        with signals_deferred():  # a stop during the save stops after it
-                            session.save()
-                    _show(bar, record, steps)
+            for it in range(start, end):
+                t0 = time.perf_counter()
+                record = session.record(it, pipe.iteration(), t0)
+                session.log(record)
+                session.keep(record)
+                if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
+                    with signals_deferred():  # a stop during the save stops after it
+                        session.save()
+                _show(bar, record, steps)
+                raise_if_stopped()  # a stop that something swallowed stops here
             with signals_deferred(reraise=False):  # the run is done; a late stop changes nothing
                 if session.behind():  # not when the last iteration's checkpoint is written
                     session.save()

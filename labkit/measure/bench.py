@@ -31,7 +31,7 @@ from ..config import BenchConfig, RunConfig, available_memory, memory_estimate
 from ..device import run_metadata, synchronize
 from ..policy import flops_per_sample
 from ..ppo import Batch
-from ..signals import signum_of
+from ..signals import raise_if_stopped, signum_of
 from ..stages import STAGES, Pipeline, PipelineState, Stage, StageSkipped, get_stage
 from ..timing import PHASES, lap_cost_s, timed
 from . import noise, tables
@@ -144,6 +144,7 @@ def _steady_state(timings: list[_Timing], cfg: BenchConfig) -> None:
                 t.sample(start)
             except Exception as err:  # one broken stage must not lose the others' results
                 t.row["status"] = _error_status(err)
+        raise_if_stopped()  # a stop that something swallowed ends the rounds here
 
 
 def _ceilings(timings: list[_Timing], cfg: BenchConfig) -> None:
@@ -168,6 +169,7 @@ def _ceilings(timings: list[_Timing], cfg: BenchConfig) -> None:
                     t.ceiling.append(timed(t.work, t.pipe.device)[0])
                 except Exception as err:
                     t.row["status"] = _error_status(err)
+        raise_if_stopped()
     for t in timings:
         if t.saved is not None:
             t.pipe.load_state_dict(t.saved)

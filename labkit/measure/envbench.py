@@ -1,6 +1,7 @@
 """Env-steps per second of the four Forage implementations with random actions."""
 from __future__ import annotations
 
+import signal
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -15,6 +16,7 @@ from ..envs.python import ForagePy
 from ..envs.spec import N_ACTIONS, ForageSpec, check_n_envs
 from ..envs.torch import ForageTorch
 from ..envs.torch_loop import ForageTorchLoop
+from ..signals import raise_if_stopped, signum_of
 from ..timing import timed
 from ..validate import check_int
 from . import tables
@@ -86,19 +88,32 @@ def _runner(impl: str, n: int, spec: ForageSpec, device: torch.device, n_actions
 
 
 def _rounds(runners: list[_Runner], steps: int, warmup: int, repeats: int,
-            device: torch.device) -> None:
+            device: torch.device) -> tuple[int, str | None]:
     """Each runner warmed up by ``warmup`` untimed steps, then timed for ``steps`` steps once
-    per round, the runners in turn in every round: drift slows them alike."""
+    per round, the runners in turn in every round: drift slows them alike. Returns the rounds
+    done and the stop signal's name if one ended them early (the rounds that finished are
+    kept; a stop before the first finished is raised)."""
     for r in runners:
         for i in range(0, warmup, r.stride):
             r.step(i)
     synchronize(device)
-    for _ in range(repeats):
-        for r in runners:
-            def episode(r: _Runner = r) -> None:
-                for i in range(0, steps, r.stride):
-                    r.step(warmup + i)
-            r.samples.append(timed(episode, device)[0])
+    done = 0
+    try:
+        for _ in range(repeats):
+            for r in runners:
+                def episode(r: _Runner = r) -> None:
+                    for i in range(0, steps, r.stride):
+                        r.step(warmup + i)
+                r.samples.append(timed(episode, device)[0])
+            done += 1
+            raise_if_stopped()  # a stop that something swallowed ends the rounds here
+        return repeats, None
+    except KeyboardInterrupt as stop:
+        if done == 0:
+            raise
+        for r in runners:  # the round in progress is dropped: every runner has `done` samples
+            del r.samples[done:]
+        return done, signal.Signals(signum_of(stop)).name
 
 
 def _fastest(rows: list[dict]) -> dict[int, dict]:
@@ -130,7 +145,9 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
     ``ForageTorch+compile`` rows (``torch.compile`` of the step) and, if ``compile_loop`` > 1,
     ``ForageTorch+compile xK`` rows (a loop of K steps compiled as one graph; K must divide
     the steps of a sample and ``warmup``), the first call's seconds in ``compile_s``.
-    ``fastest`` says which vectorized implementation leads at each N."""
+    ``fastest`` says which vectorized implementation leads at each N. A stop signal (under
+    :func:`labkit.signals.stop_signals`, or a Ctrl-C) after the first round keeps the rounds
+    that finished: ``repeats`` counts them and ``interrupted`` names the signal."""
     dev = resolve_device(device)
     check_int("repeats", repeats, 1, 1000)
     check_int("warmup", warmup, 0)
@@ -153,7 +170,7 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
     plan += [(impl, n, 0) for n in sizes for impl in VECTORIZED]
     plan += [("ForageTorch", n, k) for n in sizes for k in loops] if compiled else []
     runners = [_runner(impl, n, spec, dev, steps + warmup, seed, c) for impl, n, c in plan]
-    _rounds(runners, steps, warmup, repeats, dev)
+    done, interrupted = _rounds(runners, steps, warmup, repeats, dev)
     rows = []
     for r in runners:
         rates = sorted(r.n_envs * steps / s for s in r.samples)
@@ -168,7 +185,8 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
         "meta": run_metadata(dev),
         "rows": rows,
         "fastest": _fastest(rows),
-        "repeats": repeats,
+        "repeats": done,
+        **({"interrupted": interrupted, "repeats_planned": repeats} if interrupted else {}),
         "warmup_steps": warmup,
         "steps_per_sample": steps,
         "threads": torch.get_num_threads(),
@@ -242,4 +260,7 @@ def format_table(result: dict) -> str:
     for n, f in (result.get("fastest") or {}).items():
         lead = f" ({f['lead']:.2f}x {f['next']})" if f.get("lead") else ""
         lines.append(f"N={n}: fastest {f['impl']}{lead}")
+    if result.get("interrupted"):
+        lines.append(f"PARTIAL: interrupted by {result['interrupted']} after "
+                     f"{result['repeats']} of {result['repeats_planned']} rounds")
     return "\n".join(lines)

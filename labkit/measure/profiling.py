@@ -1,9 +1,11 @@
 """``torch.profiler`` made short: profile a few calls, read the top ops and op counts."""
 from __future__ import annotations
 
+import errno
 import inspect
 import json
 import os
+import shutil
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -135,14 +137,36 @@ def trace_pipeline(pipeline, out_dir: str | os.PathLike, iterations: int = 1,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name or pipeline.stage.name}_{device.type}.pt.trace.json"
-    prof.export_chrome_trace(str(path))
-    _add_phase_ranges(path, anchor_ns, marks)
+    raw = path.with_name(f".{path.name}")  # torch's export, read back and written as `path`
+    try:
+        prof.export_chrome_trace(str(raw))
+        _add_phase_ranges(raw, path, anchor_ns, marks)
+    finally:
+        for leftover in (raw, Path(f"{raw}.tmp")):  # the profiler writes <name>.tmp first
+            leftover.unlink(missing_ok=True)
     return prof, path
 
 
-def _add_phase_ranges(path: Path, anchor_ns: int, marks: list[tuple[str, int]]) -> None:
-    """Write ``phase: <name>`` ranges into the trace, aligned on the anchor's own event."""
-    trace = json.loads(path.read_text())
+def _read_export(raw: Path, path: Path) -> dict | list:
+    """The trace torch's profiler exported to ``raw``. Its export reports no error (a full
+    disk leaves no file, or a cut one): a missing or cut trace is an OSError naming ``path``
+    and, when the disk is nearly full, ENOSPC."""
+    try:
+        return json.loads(raw.read_text())
+    except (OSError, ValueError):
+        pass
+    free = shutil.disk_usage(path.parent).free
+    if free < 1 << 20:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    raise OSError(errno.EIO, f"torch's profiler wrote no complete trace ({free:,} bytes free "
+                  "there)", str(path))
+
+
+def _add_phase_ranges(raw: Path, path: Path, anchor_ns: int,
+                      marks: list[tuple[str, int]]) -> None:
+    """The trace exported to ``raw`` with ``phase: <name>`` ranges, aligned on the anchor's
+    own event, written to ``path``."""
+    trace = _read_export(raw, path)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     anchor = next(e for e in events if e.get("name") == "labkit: clock anchor")
     offset_us = float(anchor["ts"]) - anchor_ns / 1e3
