@@ -266,3 +266,37 @@ def test_one_row_model_renders_text_and_markdown_alike():
     assert md[3].startswith("| 8 | cuda_graphs | 32 | skipped: needs CUDA |")
     assert md[3].count("|") == md[0].count("|") == len(tables.LADDER.columns) + 1
     assert len(text[0]) == len(text[1])  # the rule is as wide as the header
+
+
+@pytest.mark.parametrize("part", ["learning", "bench_env"])
+def test_a_signal_in_a_learning_or_bench_env_part_exits_128_plus_n(tmp_path, monkeypatch,
+                                                                   capsys, part):
+    """C-record-SIGTERM: a SIGTERM while the learning part trains its second stage keeps the
+    first stage's curve; while bench_env times its rounds, no half-run file is recorded."""
+    import labkit.app.train
+    import labkit.measure.envbench
+
+    owner, name, call = ((labkit.app.train, "build_pipeline", 2) if part == "learning" else
+                         (labkit.measure.envbench, "timed", 2))
+    real, calls = getattr(owner, name), []
+
+    def signal_then_call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            signal.raise_signal(signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, signal_then_call)
+    out = tmp_path / "results"
+    code = cli.main(["record", "--device", "cpu", "--profile", "tiny", "--notebooks", "none",
+                     "--parts", part, "--allow-dirty", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGTERM and "interrupted by SIGTERM" in err, err
+    assert "Traceback" not in err
+    log = json.loads((out / "record_log_cpu_tiny.json").read_text())["parts"]
+    assert log[part]["status"] == "interrupted"
+    if part == "learning":
+        result = json.loads((out / "learning_cpu_tiny.json").read_text())
+        assert list(result["stages"]) == ["numpy_vec"]
+    else:
+        assert not (out / "bench_env_cpu_tiny.json").exists()
