@@ -310,7 +310,7 @@ def test_a_stop_while_the_pipeline_builds_says_how_to_resume(tmp_path, monkeypat
     argv = ["train", *TINY, "--out", str(out)]
     code, _, err = run_cli(argv, capsys)
     assert code == 143 and "SIGTERM before training started" in err
-    assert f"holds the run's config" in err and f"--resume {out}" in err
+    assert "holds the run's config" in err and f"--resume {out}" in err
     assert (out / "config.json").exists() and not (out / "checkpoint.pt").exists()
     monkeypatch.undo()
     assert run_cli(argv, capsys)[0] == 2  # the folder holds the run

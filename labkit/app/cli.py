@@ -103,19 +103,23 @@ def cmd_bench_env(args: argparse.Namespace) -> int:
     _check_not_a_folder(out)
     result = bench_envs(device=device, repeats=args.repeats, n_envs=args.n_envs,
                         compiled=args.compiled, compile_loop=args.compile_loop)
-    print(format_table(result))
     stop = result.get("interrupted")
     if stop:  # the rounds that finished, beside (never over) a complete run's file
         out = out.with_name(f"{out.stem}_partial.json")
-    with signals_deferred():  # a file half written is worse than none
+    with signals_deferred(reraise=False) as late:  # what was measured is shown and written
+        print(format_table(result))
         write_json(out, result)
-    print(f"wrote {out}")
+        print(f"wrote {out}")
+    if not (stop or late):
+        return 0
+    import signal
     if stop:
-        import signal
         print(f"interrupted by {stop}: {out} holds the {result['repeats']} round(s) that "
               "finished", file=sys.stderr)
         return 128 + signal.Signals[stop]
-    return 0
+    print(f"interrupted by {signal.Signals(late[0]).name} while writing the results; they "
+          "are all written", file=sys.stderr)
+    return 128 + late[0]
 
 
 def _is_dir(path: Path, flag: str) -> bool:
@@ -417,9 +421,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .record import write_report
-
     from ..files import check_output_dir
+    from .record import write_report
 
     if not _is_dir(Path(args.results), "--results"):
         raise ValueError(f"--results: {args.results!r} is not a folder (make record writes one)")
@@ -634,8 +637,8 @@ def _escape_unprintable() -> None:
 
 #: What a command stopped by a signal has kept, where it does not say so itself (train,
 #: ladder, bench-env and record keep what finished and say what that is).
-KEPT_AFTER_STOP = {"train": "nothing was saved", "doctor": "it writes no file", "rehearse": "it writes no file",
-                   "profile": "no trace was written",
+KEPT_AFTER_STOP = {"doctor": "it writes no file", "rehearse": "it writes no file",
+                   "profile": "a trace is written whole or not at all",
                    "bench-env": "no round had finished; nothing was written",
                    "ladder": "nothing had been measured; nothing was written",
                    "report": "each file it writes is replaced whole or not at all",

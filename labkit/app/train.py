@@ -324,11 +324,11 @@ def train(cfg: TrainConfig | None, out: str | Path, *, resume: bool = False,
     iteration, close the logs and raise :class:`TrainingInterrupted` (further signals wait for
     the save); before the first iteration they raise :class:`labkit.signals.Stop`, and a
     config.json written is kept for a resume. A signal that something swallows (a torch.compile
-    guard clears any error) stops the run at the end of that iteration. A non-finite loss or a write error raises :class:`TrainingFailed` saying where
-    the last good state is; so does a NaN or inf that ``debug_checks`` (the debug module's
-    finite-ness checks, also on with ``LABKIT_DEBUG=1``) finds. The folder is locked while
-    training: a second process writing to it gets a clear error. Returns the summary (also
-    written to summary.json).
+    guard clears any error) stops the run at the end of that iteration. A non-finite loss or a
+    write error raises :class:`TrainingFailed` saying where the last good state is; so does a
+    NaN or inf that ``debug_checks`` (the debug module's finite-ness checks, also on with
+    ``LABKIT_DEBUG=1``) finds. The folder is locked while training: a second process writing
+    to it gets a clear error. Returns the summary (also written to summary.json).
 
     Under torchrun every process calls this; rank 0 alone checks and writes the folder, and
     checkpoints hold every rank's envs (a stop signal keeps the last scheduled checkpoint:
