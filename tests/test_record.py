@@ -83,7 +83,7 @@ def test_record_refuses_modified_code(monkeypatch, tmp_path):
     with pytest.raises(RecordError, match="labkit/stages.py"):
         record(torch.device("cpu"), "tiny", tmp_path, parts=("report",))
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(RecordError, match="parts must be among"):
+    with pytest.raises(RecordError, match=r"parts \(--parts\) must be among"):
         record(torch.device("cpu"), "tiny", tmp_path, parts=("everything",), allow_dirty=True)
 
 
@@ -215,8 +215,8 @@ def test_the_plan_fits_every_command_in_the_budget(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--part", ""], "parts must name at least one part"),
-    (["--part", "ladder-9"], "parts must be among"),
+    (["--part", ""], "parts (--parts) must name at least one part"),
+    (["--part", "ladder-9"], "parts (--parts) must be among"),
     (["--run", "a b"], "--run must be 1-64 letters"),
 ])
 def test_record_usage_errors_exit_2(tmp_path, capsys, argv, needle):

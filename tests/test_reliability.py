@@ -928,10 +928,12 @@ def _cases():
         (["plot-runs", ""], "runs: expected a path"),
         (["plot-runs", "RUN", "--out", ""], "--out: expected a path"),
         (["record", "--out", "", "--plan"], "--out: expected a path"),
-        (["record", "--parts", "", "--plan"], "parts must name at least one"),
-        (["record", "--notebooks", "", "--plan"], "notebooks must be a glob"),
-        (["record", "--notebooks", "zzz*.ipynb", "--plan"], "matches no notebook"),
-        (["record", "--notebooks", "none", "--parts", "notebooks", "--plan"], "select nothing"),
+        (["record", "--parts", "", "--plan"], "parts (--parts) must name at least one"),
+        (["record", "--notebooks", "", "--plan"], "notebooks (--notebooks) must be a glob"),
+        (["record", "--notebooks", "zzz*.ipynb", "--plan"],
+         "--notebooks) 'zzz*.ipynb' matches no notebook"),
+        (["record", "--notebooks", "none", "--parts", "notebooks", "--plan"],
+         "parts (--parts) notebooks select nothing"),
     ]
     # A name longer than the file system allows names its flag (issue 23, G4).
     long = "x" * 300
@@ -1060,6 +1062,17 @@ def test_plot_runs_leaves_out_the_line_a_killed_run_was_writing(tmp_path, capsys
     run = _metrics_run(tmp_path, [GOOD, '{"step": 128, "wall_s": 2.0, "mean_re'])
     code, out, _ = run_cli(["plot-runs", str(run), "--out", str(tmp_path / "p.png")], capsys)
     assert code == 0 and (tmp_path / "p.png").exists()
+
+
+def test_plot_runs_plots_a_real_run_whose_first_iterations_ended_no_episode(finished_run,
+                                                                          tmp_path, capsys):
+    """mean_return is null until an episode ends: such records are part of the run, with no
+    point to draw (the validation of the last pass refused them: every short run failed)."""
+    first = json.loads((finished_run / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["mean_return"] is None  # the fixture's first iteration ends no episode
+    out = tmp_path / "p.png"
+    code, _, err = run_cli(["plot-runs", str(finished_run), "--out", str(out)], capsys)
+    assert code == 0 and out.exists(), err
 
 
 @pytest.mark.parametrize("text, needle", [

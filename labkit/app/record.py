@@ -121,10 +121,10 @@ def notebook_paths(pattern: str) -> list[Path]:
     if pattern == "none":
         return []
     if not pattern.strip():
-        raise RecordError("notebooks must be a glob in notebooks/ or none; got ''")
+        raise RecordError("notebooks (--notebooks) must be a glob in notebooks/ or none; got ''")
     found = sorted((ROOT / "notebooks").glob(pattern))
     if not found:
-        raise RecordError(f"notebooks {pattern!r} matches no notebook in notebooks/ "
+        raise RecordError(f"notebooks (--notebooks) {pattern!r} matches no notebook in notebooks/ "
                           "(give a glob such as '0[0-3]*.ipynb', or none)")
     return found
 
@@ -165,15 +165,15 @@ def select(parts: list[Part], names: str | Iterable[str]) -> list[Part]:
     names = [n.strip() for n in names if n.strip()]
     known = {p.name for p in parts}
     if not names:
-        raise RecordError("parts must name at least one part or group: "
+        raise RecordError("parts (--parts) must name at least one part or group: "
                           f"{', '.join(GROUPS)}, all, or a part of --plan")
     for name in names:
         if name not in known and name not in GROUPS and name != "all":
-            raise RecordError(f"parts must be among {', '.join(GROUPS)}, all, or a part of "
+            raise RecordError(f"parts (--parts) must be among {', '.join(GROUPS)}, all, or a part of "
                               f"the plan (python -m labkit record --plan); got {name!r}")
     chosen = [p for p in parts if "all" in names or p.name in names or p.kind in names]
     if not chosen:
-        raise RecordError(f"parts {','.join(names)} select nothing in this plan (python -m "
+        raise RecordError(f"parts (--parts) {','.join(names)} select nothing in this plan (python -m "
                           "labkit record --plan lists it)")
     return chosen
 

@@ -132,7 +132,10 @@ def run_curve(run_dir: str | Path) -> list[dict]:
         if not isinstance(r, dict):
             raise ValueError(f"{path}: line {i} is not a record")
         for key in ("step", "wall_s", "mean_return"):
-            if isinstance(r.get(key), bool) or not isinstance(r.get(key), (int, float)):
+            value = r.get(key, "missing")
+            if key == "mean_return" and value is None:
+                continue  # no episode ended in that iteration: a record with no point
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{path}: line {i} has no number {key!r} (a run of an older "
                                  "labkit, or another file)")
         points.append({"steps": r["step"], "wall_s": r["wall_s"],
