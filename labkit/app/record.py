@@ -169,12 +169,12 @@ def select(parts: list[Part], names: str | Iterable[str]) -> list[Part]:
                           f"{', '.join(GROUPS)}, all, or a part of --plan")
     for name in names:
         if name not in known and name not in GROUPS and name != "all":
-            raise RecordError(f"parts (--parts) must be among {', '.join(GROUPS)}, all, or a part of "
-                              f"the plan (python -m labkit record --plan); got {name!r}")
+            raise RecordError(f"parts (--parts) must be among {', '.join(GROUPS)}, all, or a "
+                              f"part of the plan (python -m labkit record --plan); got {name!r}")
     chosen = [p for p in parts if "all" in names or p.name in names or p.kind in names]
     if not chosen:
-        raise RecordError(f"parts (--parts) {','.join(names)} select nothing in this plan (python -m "
-                          "labkit record --plan lists it)")
+        raise RecordError(f"parts (--parts) {','.join(names)} select nothing in this plan "
+                          "(python -m labkit record --plan lists it)")
     return chosen
 
 
