@@ -114,3 +114,178 @@ def test_the_default_adam_reads_each_step_counter_once_on_every_device(device):
     with SyncMeter() as m:
         opt.step()
     assert m.host_reads == len(list(agent.parameters()))
+
+
+# ------------------------------------------------- device reads apart from host-scalar reads
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+def _train_steps(make_opt, device, steps=3, before=0, scheduler=None):
+    """A small model trained ``steps`` times under a meter (``before`` steps ahead of it, so
+    the optimizer's state exists before the meter starts); the loss read once at the end."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 2)).to(device)
+    opt = make_opt(model.parameters())
+    sched = scheduler(opt) if scheduler else None
+    x = torch.randn(5, 6, device=device)
+
+    def step():
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        return loss
+
+    for _ in range(before):
+        step()
+    with SyncMeter(call_sites=True) as m:
+        for _ in range(steps):
+            loss = step()
+        loss.item()
+    return m, len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("before", [0, 2])
+@pytest.mark.parametrize("make_opt, reads_per_param", [
+    (lambda p: torch.optim.Adam(p, foreach=False), 1),
+    (lambda p: torch.optim.Adam(p, foreach=True), None),  # torch's CUDA default
+    (lambda p: torch.optim.AdamW(p), None),
+], ids=["adam", "adam-foreach", "adamw"])
+def test_an_optimizers_cpu_step_counters_are_host_scalar_reads(make_opt, reads_per_param,
+                                                               before, device):
+    """torch keeps Adam's step counters on the CPU on every device: their reads never wait for
+    a GPU, whether the state was made inside the meter or before it; the loss is a device
+    read."""
+    m, n_params = _train_steps(make_opt, device, before=before)
+    assert m.device_reads == 1 and m.device_counts == {"item": 1}
+    assert m.host_scalar_reads >= 3 * n_params
+    if reads_per_param:
+        assert m.host_scalar_reads == 3 * n_params * reads_per_param
+    assert all("via torch/optim/" in site for site in m.sites if site not in m.device_sites)
+    [loss_site] = m.device_sites
+    assert "(_train_steps)" in loss_site
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sgd_momentum_fused_adam_and_lr_schedulers_read_nothing(device):
+    for make_opt, scheduler in [
+            (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), None),
+            (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+             lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.9)),
+            (lambda p: torch.optim.Adam(p, fused=True),
+             lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda i: 1 - i / 10))]:
+        m, _ = _train_steps(make_opt, device, before=1, scheduler=scheduler)
+        assert (m.device_reads, m.host_scalar_reads) == (1, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_counters_copies_and_placed_inputs_are_classified_by_where_their_data_came_from(
+        device):
+    import numpy as np
+
+    weights = torch.ones(4, device=device)
+    with SyncMeter() as m:
+        counter = torch.tensor(0)  # the user's counter, made on the host
+        counter += 1
+        counter.item()
+        on_device = torch.zeros((), device=device)  # a counter placed on the device
+        on_device += 1
+        on_device.item()
+        literal = torch.zeros(4, device="cpu")  # named the CPU: host even in a GPU run
+        literal.tolist()
+        (literal + weights.cpu()).sum().item()  # .cpu(): a device read; the sum: host data
+        (weights * 2).cpu().numpy()  # one sync for the copy, none for its NumPy view
+        obs = torch.from_numpy(np.ones(4, dtype=np.float32))
+        obs.sum().item()  # a NumPy array's tensor: host
+        obs = obs.to(device)  # the code places it on its device
+        (obs * weights).sum().item()
+    assert m.counts == {"item": 5, "tolist": 1, "cpu": 2, "numpy": 1}
+    assert m.device_counts == {"item": 2, "cpu": 2}
+    assert (m.device_reads, m.host_scalar_reads) == (4, 5)
+
+
+def test_a_tensor_made_before_the_meter_counts_as_a_device_read():
+    """The cautious side: the meter did not see where it came from (a false alarm, never a
+    sync called free). An optimizer's CPU state is the exception (the first test)."""
+    counter = torch.tensor(0)
+    with SyncMeter() as m:
+        counter += 1
+        counter.item()
+    assert m.device_reads == 1
+
+
+def test_a_default_device_moves_unnamed_factories_to_the_device():
+    torch.set_default_device("cpu")
+    try:
+        with SyncMeter() as m:
+            torch.zeros(3).sum().item()
+    finally:
+        torch.set_default_device(None)
+    with SyncMeter() as m2:
+        torch.zeros(3).sum().item()
+    assert (m.device_reads, m2.device_reads) == (1, 0)
+
+
+def test_compiled_code_stays_compiled_and_its_outputs_are_device_tensors():
+    from torch._dynamo.utils import counters
+
+    lin = torch.nn.Linear(3, 2)
+    fn = torch.compile(lambda x: lin(x).relu().sum(), backend="eager")
+    x = torch.randn(4, 3)
+    fn(x)
+    graphs = counters["stats"]["unique_graphs"]
+    with SyncMeter() as m:
+        fn(x).item()
+    assert m.device_reads == 1
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompile under the meter
+
+
+def test_the_device_metrics_read_is_a_device_read():
+    from labkit.metrics import DeviceEpisodeStats
+
+    stats = DeviceEpisodeStats("cpu")
+    done = torch.tensor([True, False, True])
+    with SyncMeter() as m:
+        stats.update(done, torch.tensor([1.0, 2.0, 3.0]), torch.tensor([5, 6, 7]))
+        stats.summary()
+    assert m.counts == {"tolist": 1} and m.device_reads == 1
+
+
+def test_on_a_gpu_run_a_cpu_tensor_is_a_host_read_by_construction():
+    """``device="cuda"``: a tensor's own device decides (no data flow), so on a real GPU run a
+    CPU tensor is a host read and a CUDA one a device read (``is_device_tensor`` on a meta
+    tensor stands for the latter here)."""
+    x = torch.ones(3)
+    with SyncMeter(device="cuda") as m:
+        assert m.is_device_tensor(torch.empty(1, device="meta"))
+        (x * 2).sum().item()
+    assert (m.host_reads, m.device_reads, m.host_scalar_reads) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_stage_reads_split_as_on_a_gpu(foreach):
+    """Stage 6 reads each Adam counter (host-scalar) and the metrics once (device); stage 7
+    only the metrics (the issue's N=8, T=16 measurement)."""
+    from labkit.config import RunConfig
+    from labkit.stages import STAGES, Pipeline
+
+    run = RunConfig(n_envs=8, n_steps=16)
+    split = {}
+    for index in (6, 7):
+        with Pipeline(STAGES[index], run, "cpu") as p:
+            if foreach and index == 6:
+                for group in p.optimizer.param_groups:
+                    group["foreach"] = True
+            with SyncMeter(device=p.device) as m:
+                p.learn(p.rollout())
+        split[index] = (m.device_reads, m.host_scalar_reads)
+    n_params, steps = 10, 16
+    assert split[7] == (1, 0)
+    assert split[6][0] == 1 and split[6][1] == n_params * steps * (2 if foreach else 1) \
+        or (foreach and split[6][1] >= n_params * steps)

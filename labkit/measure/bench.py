@@ -7,7 +7,8 @@ a machine that slows down half-way slows them alike. The unmarked iterations giv
 ``sps`` (median) and its spread, the marked ones ``phase_ms`` (where the iteration went), and
 the pair the marks' own overhead. On CUDA the host synchronizes only at iteration boundaries
 (phases are CUDA events); on the CPU the clock is ``time.perf_counter``. One more iteration
-runs under the sync meter to count host reads. Last, the **compute ceiling**: the same stage's
+runs under the sync meter to count host reads, device reads (a sync on a GPU) apart from
+host-scalar reads (CPU tensors on every device). Last, the **compute ceiling**: the same stage's
 model work alone (T policy forwards over N envs and the whole update, on tensors already in
 place, no env, no logging) at its precision, timed in rounds too, so ``frac_of_ceiling`` says
 how much of an iteration is still overhead. Every row gets a noise verdict
@@ -178,9 +179,9 @@ def _ceilings(timings: list[_Timing], cfg: BenchConfig) -> None:
 def _metered_iteration(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter, Batch]:
     """One more iteration under the sync meter: the rollout's meter, the update's, and the
     batch (the compute ceiling's update reuses it)."""
-    with SyncMeter(cuda_debug=True) as rollout:
+    with SyncMeter(cuda_debug=True, device=pipe.device) as rollout:
         batch = pipe.rollout()
-    with SyncMeter(cuda_debug=True) as update:
+    with SyncMeter(cuda_debug=True, device=pipe.device) as update:
         pipe.learn(batch)
     synchronize(pipe.device)
     return rollout, update, batch
@@ -246,6 +247,10 @@ def _finish(t: _Timing, cfg: BenchConfig, lap_cost: float, peaks: dict | None) -
         "host_reads_rollout_per_step": m_roll.host_reads / run.n_steps,
         "host_reads_update": m_upd.host_reads,
         "host_reads_by_kind": dict(m_roll.counts + m_upd.counts),
+        "device_reads_per_iter": m_roll.device_reads + m_upd.device_reads,
+        "device_reads_rollout_per_step": m_roll.device_reads / run.n_steps,
+        "device_reads_update": m_upd.device_reads,
+        "host_scalar_reads_per_iter": m_roll.host_scalar_reads + m_upd.host_scalar_reads,
         "flops_per_s": _work_flops(run) / it_s,
     })
     row["update_ms"] = row["phase_ms"].get("update", 0.0)

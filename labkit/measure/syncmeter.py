@@ -1,19 +1,33 @@
-"""Sync meter: count host reads of tensor data.
+"""Sync meter: count host reads of tensor data, and tell device reads from host-scalar reads.
 
 A *host read* is any call that needs a tensor's values on the CPU: ``.item()``, ``.cpu()``,
 ``.numpy()``, ``.tolist()``, ``bool(t)``, ``int(t)``, ``float(t)``, ``operator.index(t)``, and
 a device tensor copied to the host by ``.to("cpu")`` or ``copy_`` (except a non-blocking copy
-into pinned memory, which does not wait). On a GPU each one is a sync that
-stalls the pipeline; on a CPU it is counted the same way, so a stage's count is the same
-number on both. Counting is per thread: only reads made by the thread that entered the meter
-count (a background logger's reads are off the hot path by design).
+into pinned memory, which does not wait). Each read is one of two kinds:
+
+* a **device read** (``device_reads``): its tensor lives on the device; on a GPU the host waits
+  there for every kernel queued before it, a sync that drains the pipeline;
+* a **host-scalar read** (``host_scalar_reads``): its tensor lives on the CPU even in a GPU run
+  (torch's default Adam keeps its step counters there on purpose; a host copy already made);
+  it costs Python time, never a wait for the GPU.
+
+On a CUDA tensor the device decides. On a CPU run every tensor is a CPU tensor, so the meter
+follows the data instead (:mod:`labkit.measure.hostflow`): a read is a device read when its
+tensor was computed from the parameters, buffers, env state or inputs the code placed on its
+device, and a host-scalar read when it comes only from tensors made on the host (a factory
+that names no device or names ``"cpu"``, an optimizer's CPU step counter). So a stage's counts
+are the same numbers on the CPU and on a GPU. ``SyncMeter(device="cuda")`` on a GPU run skips
+the data flow: a CPU tensor there is a host tensor. ``host_reads`` is their sum. Counting is per
+thread: only reads made by the thread that entered the meter count (a background logger's
+reads are off the hot path by design).
 
 On CUDA the meter can also record what ``torch.cuda.set_sync_debug_mode("warn")`` reports
 (``cuda_syncs``), which includes syncs done inside torch ops.
 
-With ``call_sites=True`` it also counts where each read came from (``sites``): the first frame
-outside torch, as ``file:line (function)``, and, when the read itself happened inside torch
-(an optimizer reading its step counter), the torch line after ``via``.
+With ``call_sites=True`` it also counts where each read came from (``sites``, and
+``device_sites`` for the device reads): the first frame outside torch, as
+``file:line (function)``, and, when the read itself happened inside torch (an optimizer
+reading its step counter), the torch line after ``via``.
 """
 from __future__ import annotations
 
@@ -27,6 +41,8 @@ import warnings
 from collections import Counter
 
 import torch
+
+from . import hostflow
 
 _READS = ("item", "cpu", "numpy", "tolist", "__bool__", "__int__", "__float__", "__index__")
 _lock = threading.Lock()
@@ -96,15 +112,22 @@ def call_site(skip: int = 0, internal: tuple[str, ...] = ()) -> str:
     return site
 
 
-def _count(name: str, cpu_tensor: bool = False) -> None:
-    """Count a read in the meters of this thread (one of a CPU tensor only in those that
-    count CPU tensors as device tensors)."""
+def _count(name: str, tensor: torch.Tensor, cpu_tensor: bool = False) -> None:
+    """Count a read of ``tensor`` in the meters of this thread (one of a CPU tensor only in
+    those that count CPU tensors as device tensors), as a device read or a host-scalar one."""
     tid = threading.get_ident()
+    site = None
     for meter in _active:
         if meter._thread == tid and (meter.cpu_as_device or not cpu_tensor):
+            on_device = meter.is_device_tensor(tensor)
             meter.counts[name] += 1
+            if on_device:
+                meter.device_counts[name] += 1
             if meter.sites is not None:
-                meter.sites[call_site()] += 1
+                site = site or call_site()
+                meter.sites[site] += 1
+                if on_device:
+                    meter.device_sites[site] += 1
 
 
 def wraps_method(fn):
@@ -118,11 +141,38 @@ def wraps_method(fn):
     return decorate
 
 
+_inside = threading.local()  # a read in progress on this thread: what it calls is not another
+
+
+def _once(fn):
+    """Call ``fn``, counting no read it makes itself (a torch function mode, such as
+    ``torch.set_default_device``'s, calls the method again from inside)."""
+    def call(*args, **kwargs):
+        depth = getattr(_inside, "depth", 0)
+        _inside.depth = depth + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _inside.depth = depth
+    return call
+
+
+def _reading() -> bool:
+    return getattr(_inside, "depth", 0) > 0
+
+
 def _wrap(name: str, fn):
     @wraps_method(fn)
     def wrapper(self, *args, **kwargs):
-        _count(name)
-        return fn(self, *args, **kwargs)
+        if _reading():
+            return fn(self, *args, **kwargs)
+        _count(name, self)
+        out = _once(fn)(self, *args, **kwargs)
+        if name == "cpu" and isinstance(out, torch.Tensor):
+            flow = hostflow.current() if _active else None
+            if flow is not None:
+                out = flow.host_copy(self, out)
+        return out
     return wrapper
 
 
@@ -130,25 +180,44 @@ def _copy_wrapper(fn):
     @wraps_method(fn)
     def copy_(self, src, non_blocking=False):
         # Device -> host: it waits, unless non_blocking into pinned memory (which may not).
-        if (self.device.type == "cpu" and isinstance(src, torch.Tensor)
+        if (not _reading() and self.device.type == "cpu" and isinstance(src, torch.Tensor)
                 and src.device.type != "cpu" and not (non_blocking and self.is_pinned())):
-            _count("copy_")
-        return fn(self, src, non_blocking)
+            _count("copy_", src)
+        return _once(fn)(self, src, non_blocking)
     return copy_
+
+
+def _target_device(args: tuple, kwargs: dict) -> torch.device | None:
+    """The device ``Tensor.to(*args, **kwargs)`` sends a tensor to (None: where it is)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
+    try:
+        return torch._C._nn._parse_to(*args[:3], **kwargs)[0]
+    except (TypeError, RuntimeError):
+        return None  # torch's own call raises the error the caller should see
 
 
 def _to_wrapper(fn):
     @wraps_method(fn)
     def to(self, *args, **kwargs):
+        if _reading():
+            return fn(self, *args, **kwargs)
+        device = _target_device(args, kwargs)
         if self.device.type != "cpu":  # ``x.to("cpu")`` of a device tensor is a D2H copy
-            device = torch._C._nn._parse_to(*args, **kwargs)[0]
             if device is not None and device.type == "cpu":
-                _count("to")
+                _count("to", self)
         elif "cpu" in (*args[:1], kwargs.get("device")):
             # a CPU tensor sent to "cpu" by name: a host read where CPU tensors stand for
             # device ones (``x.to(x.device)`` is not: it stays where it is on every device)
-            _count("to", cpu_tensor=True)
-        return fn(self, *args, **kwargs)
+            _count("to", self, cpu_tensor=True)
+        out = _once(fn)(self, *args, **kwargs)
+        flow = hostflow.current() if _active else None
+        if flow is not None and device is not None and isinstance(out, torch.Tensor):
+            said = hostflow.frame_call_device(sys._getframe(1))
+            if said == "cpu":
+                out = flow.host_copy(self, out)  # x.to("cpu"): a host copy
+            elif device.type == out.device.type:
+                flow.placed(out)  # x.to(device): the code put it on its device
+        return out
     return to
 
 
@@ -169,31 +238,70 @@ def _uninstall() -> None:
 
 
 class SyncMeter:
-    """Context manager counting host reads in the current thread. ``cpu_as_device``: count
-    ``.to("cpu")`` of a CPU tensor too (the device named "cpu"), as if every tensor lived on a
-    device (the CUDA-graph rehearsal on the CPU, ``labkit.doctor.rehearsal``).
+    """Context manager counting host reads in the current thread, device reads apart from
+    host-scalar reads (module docstring). ``device``: the device the metered code runs on;
+    an accelerator there makes a tensor's own device decide (no data flow followed), the CPU
+    or None follows the data. ``cpu_as_device``: count ``.to("cpu")`` of a CPU tensor too
+    (the device named "cpu"), as if every tensor lived on a device (the CUDA-graph rehearsal
+    on the CPU, ``labkit.doctor.rehearsal``).
 
+    >>> w = torch.nn.Linear(2, 1)
     >>> with SyncMeter() as m:
-    ...     torch.ones(2).sum().item()
-    >>> m.host_reads
-    1
+    ...     loss = w(torch.ones(1, 2, device="cpu")).sum()
+    ...     steps = torch.tensor(0)  # a counter made on the host
+    ...     steps += 1
+    ...     _ = loss.item(), steps.item()
+    >>> m.host_reads, m.device_reads, m.host_scalar_reads
+    (2, 1, 1)
     """
 
     def __init__(self, cuda_debug: bool = False, call_sites: bool = False,
-                 cpu_as_device: bool = False) -> None:
+                 cpu_as_device: bool = False, device: str | torch.device | None = None
+                 ) -> None:
         self.cpu_as_device = cpu_as_device
         self.counts: Counter[str] = Counter()
+        self.device_counts: Counter[str] = Counter()
         self.sites: Counter[str] | None = Counter() if call_sites else None
+        self.device_sites: Counter[str] | None = Counter() if call_sites else None
         self.cuda_syncs = 0
         self._cuda_debug = cuda_debug and torch.cuda.is_available()
+        self._by_device = device is not None and torch.device(device).type != "cpu"
         self._thread = threading.get_ident()
+        self._flow = None
 
     @property
     def host_reads(self) -> int:
+        """Every read: device reads + host-scalar reads."""
         return sum(self.counts.values())
+
+    @property
+    def device_reads(self) -> int:
+        """Reads of tensors on the device: each one a sync on a GPU."""
+        return sum(self.device_counts.values())
+
+    @property
+    def host_scalar_reads(self) -> int:
+        """Reads of tensors that live on the CPU even in a GPU run: no wait for the GPU."""
+        return self.host_reads - self.device_reads
+
+    @property
+    def host_scalar_counts(self) -> Counter[str]:
+        return self.counts - self.device_counts
+
+    def is_device_tensor(self, t: torch.Tensor) -> bool:
+        """Is a read of ``t`` a device read (a sync on a GPU)?"""
+        if t.device.type != "cpu":
+            return True
+        if self._by_device:
+            return False  # a CPU tensor in a run on an accelerator
+        flow = hostflow.current()
+        return flow is None or not flow.is_host(t)
 
     def __enter__(self) -> SyncMeter:
         self._thread = threading.get_ident()
+        if not self._by_device:
+            self._flow = hostflow.tracked()
+            self._flow.__enter__()
         with _lock:
             if not _active:
                 _install()
@@ -215,10 +323,14 @@ class SyncMeter:
             _active.remove(self)
             if not _active:
                 _uninstall()
+        if self._flow is not None:
+            self._flow.__exit__(*exc)
+            self._flow = None
 
 
 def count_host_reads(fn, *args, **kwargs) -> tuple[int, object]:
-    """Run ``fn(*args, **kwargs)`` under a meter; return (host reads, result)."""
+    """Run ``fn(*args, **kwargs)`` under a meter; return (host reads, result): every read,
+    device and host-scalar alike."""
     with SyncMeter() as meter:
         out = fn(*args, **kwargs)
     return meter.host_reads, out

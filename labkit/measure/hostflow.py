@@ -1,0 +1,292 @@
+"""Which tensors would live on the host in a GPU run: the data flow that classifies a read.
+
+On a GPU, reading a CUDA tensor's values (``.item()``, ``.tolist()``, ``.cpu()``) waits for
+every kernel queued before it: a **device read**, a sync. Reading a tensor that lives on the
+CPU does not wait for the GPU: a **host-scalar read**. torch's default Adam keeps each step
+counter on the CPU on purpose (``torch/optim/adam.py``, note "special device hosting for
+step": a counter on the GPU would cost a launch per step), so its ``.item()`` never syncs.
+
+On a CPU run every tensor is a CPU tensor, and neither ``tensor.device``, nor "made without
+``device=``" (Adam names ``device="cpu"``), nor the line of the read can tell the two apart.
+Where the data came from can. :class:`HostFlow`, a dispatch mode over the ops of the thread
+that enters it, keeps the set of **host tensors**:
+
+* **host-born**: made by a factory (``torch.tensor``, ``zeros``, ``from_numpy``, ...) whose
+  call names no device, or names the CPU literally (``device="cpu"``,
+  ``torch.device("cpu")``), read from the call's source; unless ``torch.set_default_device``
+  is in force, which moves unnamed factories to the device;
+* **computed from host tensors only** (and Python numbers); a tensor written in place with a
+  non-host input stops being one;
+* **torch's optimizer state that torch keeps on the CPU on every device**: ``step`` in a param
+  group that is neither capturable nor fused (``Optimizer._process_value_according_to_param_
+  policy`` in ``torch/optim/optimizer.py``), also when it was made before the meter started;
+* **a host copy**: what ``.cpu()`` or ``.to("cpu")`` returned (on the CPU, where torch returns
+  the tensor itself, an alias of it: the original stays a device tensor).
+
+Every other tensor is a **device tensor**: parameters and buffers, what the code placed with
+``device=`` or ``.to(device)``, whatever is computed from them, what a compiled region returns
+(its ops are not seen), and, on the cautious side, any tensor made before the meter started
+that is not an optimizer's host state: a read wrongly called a sync is a false alarm, a sync
+wrongly called free is a false "ok". On a CUDA tensor the device decides, no flow needed.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import linecache
+import os
+import sys
+import threading
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+#: torch's frames between an op call and the dispatch mode (never the code that made the call)
+_PASS_THROUGH = (os.path.join("torch", "utils", "_python_dispatch.py"),
+                 os.path.join("torch", "_ops.py"), os.path.join("_dynamo", "eval_frame.py"),
+                 os.path.join("torch", "_compile.py"))
+#: ops that wrap a freshly made tensor (``torch.tensor``, ``as_tensor``, ``from_numpy``)
+_LIFTS = ("aten::lift_fresh", "aten::lift_fresh_copy", "aten::lift")
+
+
+def _names_cpu(node: ast.expr) -> bool:
+    """``"cpu"``, ``"cpu:0"``, ``torch.device("cpu")``: the CPU named in the code itself."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value.split(":")[0] == "cpu"
+    if isinstance(node, ast.Call) and node.args and not node.keywords:
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else \
+            getattr(node.func, "id", None)
+        return name == "device" and _names_cpu(node.args[0])
+    return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _call_device(filename: str, span: tuple) -> str:
+    """What the call at ``span`` of ``filename`` says of its device: ``"none"`` (no device
+    named), ``"cpu"`` (the CPU named literally), ``"other"`` (a device named by a value: a
+    variable, ``p.device``), or ``"unknown"`` (no source, or no call there)."""
+    line, end_line, col, end_col = span
+    if None in span:
+        return "unknown"
+    lines = linecache.getlines(filename)[line - 1:end_line]
+    if not lines:
+        return "unknown"
+    if len(lines) == 1:
+        text = lines[0][col:end_col]
+    else:
+        text = "".join([lines[0][col:], *lines[1:-1], lines[-1][:end_col]])
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return "unknown"
+    if not isinstance(node, ast.Call):
+        return "unknown"
+    device = next((k.value for k in node.keywords if k.arg == "device"), None)
+    if device is None and isinstance(node.func, ast.Attribute) and node.func.attr == "to" \
+            and node.args:
+        device = node.args[0]  # x.to("cpu"), x.to(device)
+    if device is None:
+        return "none"
+    return "cpu" if _names_cpu(device) else "other"
+
+
+def frame_call_device(frame) -> str:
+    """What the call ``frame`` is making says of its device (see :func:`_call_device`)."""
+    positions = list(frame.f_code.co_positions())
+    index = frame.f_lasti // 2
+    if index >= len(positions):
+        return "unknown"
+    return _call_device(frame.f_code.co_filename, positions[index])
+
+
+def _caller_device() -> str:
+    """What the call that reached the dispatch mode says of its device: the first frame
+    outside this module and torch's dispatch plumbing made it."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename == __file__
+                                 or frame.f_code.co_filename.endswith(_PASS_THROUGH)):
+        frame = frame.f_back
+    return "unknown" if frame is None else frame_call_device(frame)
+
+
+def _default_device_set() -> bool:
+    """``torch.set_default_device`` is in force: factories that name no device use it."""
+    context = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
+    return getattr(context, "device_context", None) is not None
+
+
+def _tensors(values, out: list) -> list:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            _tensors(v, out)
+    return out
+
+
+@functools.cache
+def _written(func) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Positions and names of the arguments ``func`` writes (in-place and ``out=`` ops)."""
+    pos, names = [], []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            (names if arg.kwarg_only else pos).append(i if not arg.kwarg_only else arg.name)
+    return tuple(pos), tuple(names)
+
+
+class HostFlow(TorchDispatchMode):
+    """The set of host tensors of one thread, kept by data flow (module docstring). Entered by
+    the sync meter around what it meters; ``is_host(t)`` classifies a read of ``t``."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # compiled code stays compiled (its outputs count as device tensors)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._host: dict[int, weakref.ref] = {}
+        self._copies: dict[int, weakref.ref] = {}  # host copies that are the tensor itself
+
+    # -- the set ------------------------------------------------------------------------
+    def _add(self, table: dict, t: torch.Tensor) -> None:
+        key = id(t)
+        if key not in table:
+            table[key] = weakref.ref(t, lambda _, k=key, d=table: d.pop(k, None))
+
+    def add_host(self, t: torch.Tensor) -> None:
+        self._add(self._host, t)
+
+    def host_copy(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` is what ``src.cpu()`` or ``src.to("cpu")`` returned: a copy on the host. On
+        the CPU torch returns ``src`` itself; the copy is then an alias of it (same storage,
+        another tensor), so that ``src`` stays what it was and the alias is host data, as the
+        copy would be on a GPU. A Parameter (or other subclass) stays itself, and its reads
+        count as reads of the copy until it is next written."""
+        if out is not src:
+            self.add_host(out)
+            return out
+        if type(src) is torch.Tensor:
+            try:
+                out = src.view_as(src)
+            except RuntimeError:  # a layout with no views
+                out = src
+            else:
+                self.add_host(out)
+                return out
+        self._add(self._copies, out)
+        return out
+
+    def placed(self, t: torch.Tensor) -> None:
+        """The code moved ``t`` to its device (``.to(device)``; on the CPU ``t`` itself)."""
+        self._host.pop(id(t), None)
+        self._copies.pop(id(t), None)
+
+    def _held(self, t: torch.Tensor) -> bool:
+        return id(t) in self._host
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        """Would ``t`` live on the CPU in a GPU run? (a read of it then waits for no GPU)."""
+        if t.device.type != "cpu":
+            return False
+        return id(t) in self._host or id(t) in self._copies
+
+    def note_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Add the state that torch keeps on the CPU on every device: ``step`` of a param
+        group that is neither capturable nor fused (torch's own placement policy,
+        ``Optimizer._process_value_according_to_param_policy``)."""
+        for group in optimizer.param_groups:
+            if group.get("capturable") or group.get("fused"):
+                continue
+            for p in group["params"]:
+                step = optimizer.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor) and step.device.type == "cpu":
+                    self.add_host(step)
+
+    # -- the ops ------------------------------------------------------------------------
+    def _born_on_host(self) -> bool:
+        """A factory call: host unless it names a device by value (or no source is found:
+        the cautious side), or a default device is set and it names none."""
+        said = _caller_device()
+        if said == "none":
+            return not _default_device_set()
+        return said == "cpu"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = _tensors(args, _tensors(kwargs.values(), []))
+        name = func._schema.name
+        if not inputs or name in _LIFTS:
+            host = self._born_on_host()
+        elif name == "aten::copy_" and self._held(args[0]):
+            host = True  # a copy into a host tensor: host data (a D2H copy on a GPU)
+        else:
+            host = all(self._held(t) for t in inputs)
+        pos, names = _written(func)
+        written = [args[i] for i in pos if i < len(args) and isinstance(args[i], torch.Tensor)]
+        written += _tensors([kwargs[n] for n in names if n in kwargs], [])
+        for t in written:
+            self._copies.pop(id(t), None)
+            if host:
+                self.add_host(t)
+            else:
+                self._host.pop(id(t), None)
+        if host and not written:
+            for t in _tensors(out if isinstance(out, (list, tuple)) else (out,), []):
+                self.add_host(t)
+        return out
+
+
+_flows: dict[int, tuple[HostFlow, int]] = {}  # thread -> (its flow, how many users)
+_hook = None
+_flow_lock = threading.Lock()
+
+
+def current() -> HostFlow | None:
+    """The host flow this thread is inside, if any."""
+    entry = _flows.get(threading.get_ident())
+    return entry[0] if entry else None
+
+
+def _optimizer_pre_hook(optimizer, args, kwargs) -> None:
+    flow = current()
+    if flow is not None:
+        flow.note_optimizer(optimizer)
+
+
+class tracked:
+    """Context manager: this thread's ops followed by one :class:`HostFlow` (nested users
+    share it), and the optimizers that step in it noted."""
+
+    def __enter__(self) -> HostFlow:
+        global _hook
+        tid = threading.get_ident()
+        with _flow_lock:
+            if _hook is None:
+                _hook = register_optimizer_step_pre_hook(
+                    _optimizer_pre_hook)
+            flow, users = _flows.get(tid, (None, 0))
+            if flow is None:
+                flow = HostFlow()
+            _flows[tid] = (flow, users + 1)
+        if users == 0:
+            flow.__enter__()
+        return flow
+
+    def __exit__(self, *exc) -> None:
+        global _hook
+        tid = threading.get_ident()
+        flow, users = _flows[tid]
+        if users == 1:
+            flow.__exit__(*exc)
+        with _flow_lock:
+            if users == 1:
+                del _flows[tid]
+            else:
+                _flows[tid] = (flow, users - 1)
+            if not _flows and _hook is not None:
+                _hook.remove()
+                _hook = None
