@@ -141,6 +141,22 @@ def amdahl_sps(phase_ms: dict[str, float], samples: int, free: tuple[str, ...]) 
     return samples / (1e-3 * left_ms)
 
 
+def amdahl(row: dict, free: tuple[str, ...]) -> tuple[float, float]:
+    """Amdahl's bound and the rate it bounds, both from the same phase-marked iterations of a
+    ``measure_stage`` row: for each marked iteration, N*T over its time without the ``free``
+    phases, and N*T over its whole time; the medians of each. An iteration's phases are parts
+    of it, so each bound is at least its own rate, and so are their medians. (The row's
+    headline ``sps`` comes from the unmarked iterations: comparing a bound from the marked ones
+    with it mixes two samples.)"""
+    samples = row["n_envs"] * row["n_steps"]
+    phases, seconds = row.get("phase_ms_samples"), row.get("marked_iteration_s_samples")
+    if not phases or not seconds or len(phases) != len(seconds):
+        raise ValueError("the row has no phase-marked iterations (phase_ms_samples): measure "
+                         "it again with labkit.measure.bench.measure_stage")
+    bounds = [amdahl_sps(p, samples, free) for p in phases]
+    return statistics.median(bounds), statistics.median(samples / s for s in seconds)
+
+
 def break_even(sizes: list[int], baseline_s: list[float], candidate_s: list[float]
                ) -> int | None:
     """The smallest size from which ``candidate`` is faster than ``baseline`` at every larger

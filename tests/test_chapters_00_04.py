@@ -44,7 +44,8 @@ def test_group_sites_counts_a_real_meter_exactly():
 def _row(stage, n, t, spread, phases, status="ok"):
     return {"stage": stage, "name": f"s{stage}", "n_envs": n, "n_steps": t, "status": status,
             "iteration_s_spread": spread, "frac_of_ceiling": 0.5, "phase_ms": phases,
-            "host_reads_rollout_per_step": 2.5, "host_reads_update": 166}
+            "device_reads_rollout_per_step": 2.5, "device_reads_update": 6,
+            "host_scalar_reads_per_iter": 160}
 
 
 def test_rows_table_gives_sps_min_median_max_from_the_iteration_spread():
@@ -52,7 +53,8 @@ def test_rows_table_gives_sps_min_median_max_from_the_iteration_spread():
             _row(8, 4, 25, None, {}, status="skipped: needs CUDA")]
     lines = rows_table(rows).splitlines()
     # 100 samples: slowest iteration (2 s) -> 50 sps, median 100, fastest 200
-    assert lines[1].split() == ["0", "s0", "4", "25", "50", "100", "200", "50.0%", "2.5", "166"]
+    assert lines[1].split() == ["0", "s0", "4", "25", "50", "100", "200", "50.0%", "2.5", "6",
+                                "160"]
     assert lines[2].split() == ["8", "s8", "4", "25", "skipped:", "needs", "CUDA"]
     assert lines[4].split() == ["ms", "per", "iteration", "env", "update"]
     assert lines[5].split() == ["0", "s0", "1.0", "3.0"]
@@ -100,3 +102,20 @@ def test_reads_by_line_keys_each_read_by_its_line_of_code():
         where + "kept += int(v)  # a read: __int__": 3})
     assert reads_by_line({"<unknown>": 2, "/nowhere.py:3 (f)": 1}) == Counter(
         {"<unknown>": 2, "/nowhere.py (f): line 3": 1})
+
+
+def test_amdahl_bound_and_the_rate_it_bounds_come_from_the_same_iterations():
+    """The unmarked iterations ran faster than the marked ones here: a bound from the marked
+    phases would fall below the headline rate, but never below the marked iterations' own."""
+    from labkit.timing import amdahl
+
+    phases = [{"env": 300.0, "update": 600.0}, {"env": 320.0, "update": 640.0},
+              {"env": 280.0, "update": 700.0}]
+    row = {"n_envs": 10, "n_steps": 100, "sps": 1200.0, "phase_ms_samples": phases,
+           "marked_iteration_s_samples": [0.95, 1.0, 1.05]}
+    bound, rate = amdahl(row, free=("env",))
+    assert bound == pytest.approx(1000 / 0.64) and rate == pytest.approx(1000)
+    assert bound >= rate
+    assert amdahl_sps({"update": 640.0}, 1000, free=()) < row["sps"] * 1.4
+    with pytest.raises(ValueError, match="phase_ms_samples"):
+        amdahl({"n_envs": 1, "n_steps": 1}, free=("env",))

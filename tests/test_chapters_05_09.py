@@ -28,9 +28,11 @@ def test_recorded_gpu_prints_the_device_and_the_named_stages(tmp_path):
     (tmp_path / "ladder_cuda_full.json").write_text(json.dumps(_ladder("cuda", "NVIDIA H100")))
     lines = recorded_gpu(["fused_amp", "cuda_graphs"], str(tmp_path)).splitlines()
     assert lines[0].startswith("ladder_cuda_full.json: NVIDIA H100, torch 2.13")
+    # recorded before the device / host-scalar split: a dash, never 0 or an error
     assert lines[1].split() == ["7", "fused_amp", "N=1024", "T=128:", "123,456", "env",
-                                "steps/s,", "1", "host", "reads/iteration,", "bf16;", "ms",
-                                "per", "iteration:", "policy", "1.5,", "update", "2.2"]
+                                "steps/s,", "\u2014", "device", "reads", "(syncs)", "and",
+                                "\u2014", "host-scalar", "reads", "per", "iteration,", "bf16;",
+                                "ms", "per", "iteration:", "policy", "1.5,", "update", "2.2"]
     assert lines[2].split() == ["8", "cuda_graphs", "skipped:", "needs", "CUDA"]
     assert len(recorded_gpu(["gpu_metrics"], tmp_path).splitlines()) == 1
 

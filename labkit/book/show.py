@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..measure.syncmeter import parse_site, source_line
+from ..measure.tables import MISSING
 from ..stages import Stage
 
 _CELL = re.compile(r"ipykernel_\d+[/\\]\d+\.py$|<ipython-input-")
@@ -106,16 +107,25 @@ def _rekey(sites: Counter | dict, key: Callable[[str, int, str], str]) -> Counte
     return out
 
 
+
+
+def figure(row: dict, key: str, spec: str = "g") -> str:
+    """``row[key]`` formatted by ``spec``, or :data:`MISSING` where the row has no such key."""
+    value = row.get(key)
+    return MISSING if value is None else format(value, spec)
+
+
 def rows_table(rows: list[dict]) -> str:
     """Rows of ``labkit.measure.bench.measure_stage`` one per line: env steps/s as min / median /
-    max over the timed iterations, the share of the compute ceiling, host reads per rollout step
-    and per update, then milliseconds per iteration in each phase."""
+    max over the timed iterations, the share of the compute ceiling, device reads (a sync on a
+    GPU) per rollout step and per update, host-scalar reads (CPU tensors on every device) per
+    iteration, then milliseconds per iteration in each phase."""
     from ..timing import PHASES
 
     ok = [r for r in rows if r.get("status") == "ok"]
     keys = [k for k in PHASES if any(k in r["phase_ms"] for r in ok)]
     head = (f"{'stage':<16}{'N':>6}{'T':>5}{'sps min':>10}{'median':>10}{'max':>10}"
-            f"{'% ceil':>8}{'reads/step':>11}{'reads/upd':>10}")
+            f"{'% ceil':>8}{'syncs/step':>11}{'syncs/upd':>10}{'host/it':>8}")
     lines = [head]
     for r in rows:
         name = f"{r['stage']} {r['name']}"
@@ -127,12 +137,26 @@ def rows_table(rows: list[dict]) -> str:
         lines.append(f"{name:<16}{r['n_envs']:>6}{r['n_steps']:>5}{samples / slow:>10,.0f}"
                      f"{samples / mid:>10,.0f}{samples / fast:>10,.0f}"
                      f"{100 * r['frac_of_ceiling']:>7.1f}%"
-                     f"{r['host_reads_rollout_per_step']:>11g}{r['host_reads_update']:>10}")
+                     f"{figure(r, 'device_reads_rollout_per_step'):>11}"
+                     f"{figure(r, 'device_reads_update'):>10}"
+                     f"{figure(r, 'host_scalar_reads_per_iter'):>8}")
     lines += ["", f"{'ms per iteration':<16}" + "".join(f"{k:>9}" for k in keys)]
     for r in ok:
         lines.append(f"{r['stage']} {r['name']:<14}"
                      + "".join(f"{r['phase_ms'].get(k, 0.0):>9.1f}" for k in keys))
     return "\n".join(lines)
+
+
+def check(claim: str, value: bool | dict) -> None:
+    """A compared check in a chapter: print ``claim: value`` (nbval compares the line) and
+    raise if it does not hold, so a broken lesson fails the notebook instead of being stored
+    as ``False``. ``value`` is a bool, or a dict of bools that must all be true."""
+    print(f"{claim}: {value}")
+    import numpy as np
+
+    ok = all(value.values()) if isinstance(value, dict) else value
+    if not isinstance(ok, (bool, np.bool_)) or not ok:
+        raise AssertionError(f"the chapter's check failed: {claim}: {value}")
 
 
 def recorded_gpu(names: list[str], results: str = "results") -> str:
@@ -162,7 +186,9 @@ def recorded_gpu(names: list[str], results: str = "results") -> str:
             phases = ", ".join(f"{k} {v:.1f}" for k, v in row.get("phase_ms", {}).items())
             lines.append(f"  {row['stage']} {row['name']:<15} N={row['n_envs']} "
                          f"T={row['n_steps']}: {row['sps']:,.0f} env steps/s, "
-                         f"{row['host_reads_per_iter']} host reads/iteration, "
+                         f"{figure(row, 'device_reads_per_iter')} device reads (syncs) and "
+                         f"{figure(row, 'host_scalar_reads_per_iter')} host-scalar reads per "
+                         "iteration, "
                          f"{row.get('precision')}; ms per iteration: {phases}")
     return "\n".join(lines) if lines else "No GPU run recorded yet"
 

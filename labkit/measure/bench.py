@@ -237,6 +237,7 @@ def _finish(t: _Timing, cfg: BenchConfig, lap_cost: float, peaks: dict | None) -
         "phase_ms": {k: statistics.median(p.get(k, 0.0) for p in t.phases)
                      for k in PHASES if any(k in p for p in t.phases)},
         "marked_iteration_s": statistics.median(t.marked),
+        "marked_iteration_s_samples": t.marked, "phase_ms_samples": t.phases,
         "marks_per_iter": laps,
         "marks_overhead": laps * lap_cost / it_s,
         "marks_ab": statistics.median(t.marked) / it_s - 1,

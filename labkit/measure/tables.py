@@ -77,6 +77,14 @@ def _spread(r: dict) -> str:
     return fmt(100 * spread(seconds) if seconds else None, ".0f")
 
 
+#: What a figure shows in a row recorded before it existed (never 0, never an error).
+MISSING = "\u2014"
+
+
+def _count(key: str) -> Callable[[dict], str]:
+    return lambda r: MISSING if r.get(key) is None else f"{r[key]:g}"
+
+
 def _noise(r: dict) -> str:
     return "noisy" if r.get("noisy") else ""
 
@@ -95,7 +103,8 @@ LADDER = Table((
     _SPREAD,
     Column("x st0", "x stage 0", lambda r: fmt(r.get("x_vs_stage0"), ".1f"), 6),
     Column("x prev", "x prev", lambda r: fmt(r.get("x_vs_prev"), ".2f"), 6),
-    Column("reads/it", "host reads / iter", lambda r: str(r["host_reads_per_iter"]), 8),
+    Column("syncs/it", "device reads (syncs) / iter", _count("device_reads_per_iter"), 8),
+    Column("host/it", "host-scalar reads / iter", _count("host_scalar_reads_per_iter"), 7),
     Column("warmup s", "warmup s", lambda r: f"{r['warmup_s']:.2f}", 8),
     Column("ceil sps", "ceiling steps/s", lambda r: fmt(r["ceiling_sps"]), 10),
     Column("% ceil", "% of ceiling", _pct("frac_of_ceiling"), 6),
