@@ -289,3 +289,22 @@ def test_stage_reads_split_as_on_a_gpu(foreach):
     assert split[7] == (1, 0)
     assert split[6][0] == 1 and split[6][1] == n_params * steps * (2 if foreach else 1) \
         or (foreach and split[6][1] >= n_params * steps)
+
+
+def test_launches_per_optimizer_step_fused_fewest_per_parameter_growing():
+    """What a GPU would launch per Adam step: per-parameter Adam grows with the parameters,
+    foreach and fused do not, fused launches fewest; the CPU step counters launch nothing."""
+    from labkit.measure.profiling import launches
+
+    def per_step(n_layers, **kw):
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n_layers)])
+        opt = torch.optim.Adam(model.parameters(), **kw)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        return sum(launches(opt.step).values())
+
+    loop3, foreach3, fused3, loop6, foreach6, fused6 = (
+        per_step(n, **kw) for n in (3, 6)
+        for kw in ({"foreach": False}, {"foreach": True}, {"fused": True}))
+    assert fused3 < foreach3 < loop3 and fused6 < foreach6 < loop6
+    assert loop6 == 2 * loop3 and foreach6 == foreach3 and fused6 == fused3

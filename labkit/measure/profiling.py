@@ -106,6 +106,45 @@ def dispatch_ops(fn: Callable[[], object]) -> Counter:
     return counts
 
 
+#: Ops that launch no kernel: allocations, host reads, the profiler's own bookkeeping.
+_NO_LAUNCH = ("empty", "empty_like", "empty_strided", "_local_scalar_dense",
+              "_record_function_enter_new", "_record_function_exit")
+
+
+def launches(fn: Callable[[], object]) -> Counter:
+    """The ops one call of ``fn`` would launch as kernels on a GPU, by name: the non-view aten
+    ops (:func:`dispatch_ops`) whose result lives on the device, by the sync meter's data flow
+    (:mod:`labkit.measure.hostflow`), so torch's default Adam adding 1 to its CPU step counters
+    is not one; allocations, host reads and profiler marks launch nothing. A top-level op
+    counts once: a foreach or fused op is one launch here, as on a GPU it is one (or a few
+    chunks), while the CPU runs it as a loop."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from . import hostflow
+
+    counts: Counter = Counter()
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = str(func.overloadpacket.__name__)
+            if func.is_view or name in _NO_LAUNCH:
+                return out
+            flow = hostflow.current()
+            pos, names = hostflow._written(func)
+            results = [args[i] for i in pos if i < len(args)] + \
+                [(kwargs or {}).get(n) for n in names]
+            results += list(out) if isinstance(out, (list, tuple)) else [out]
+            tensors = hostflow._tensors(results, [])
+            if any(not flow.is_host(t) for t in tensors):
+                counts[name] += 1
+            return out
+
+    with hostflow.tracked(), _Count():
+        fn()
+    return counts
+
+
 def trace_pipeline(pipeline, out_dir: str | os.PathLike, iterations: int = 1,
                    name: str | None = None) -> tuple[profile, Path]:
     """Profile ``iterations`` steady-state iterations of ``pipeline`` (warm it up first) and
