@@ -139,7 +139,10 @@ def test_parts_recorded_one_by_one_merge_into_what_one_run_writes(tmp_path):
     assert log["ladder-4"]["run"] == "again" and log["ladder-4"]["seconds"] > 0
 
 
-def test_an_interrupted_part_keeps_its_finished_rows(tmp_path, monkeypatch):
+def test_an_interrupted_batch_keeps_the_rows_of_the_batches_that_finished(tmp_path,
+                                                                          monkeypatch):
+    """The ladder parts of one command are one batch, timed together in interleaved rounds:
+    a stop in it keeps what earlier commands (or batches) wrote, and the batch runs again."""
     import labkit.measure.bench
 
     measure = labkit.measure.bench.measure_stages
@@ -149,26 +152,31 @@ def test_an_interrupted_part_keeps_its_finished_rows(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return measure(stages, *args, **kwargs)
 
+    _record(tmp_path, "scaling", run="cut")
+    swept = json.loads((tmp_path / "ladder_cpu_tiny.json").read_text())["scaling"]
     monkeypatch.setattr(labkit.measure.bench, "measure_stages", stopped_at_stage_4)
     with pytest.raises(KeyboardInterrupt):
-        _record(tmp_path, "ladder", run="cut")
+        _record(tmp_path, "ladder-3,ladder-4", run="cut")
     result = json.loads((tmp_path / "ladder_cpu_tiny.json").read_text())
-    assert [r["stage"] for r in result["ladder"]] == [3] and result["ladder"][0]["sps"] > 0
-    assert result["runs"]["cut"]["interrupted"] == {"signal": "SIGINT", "part": "ladder-4"}
-    assert (tmp_path / "ladder_cpu_tiny_ladder.png").stat().st_size > 0
+    assert result["ladder"] == [] and result["scaling"] == swept and swept[0]["sps"] > 0
+    assert result["runs"]["cut"]["interrupted"] == {"signal": "SIGINT",
+                                                    "part": "ladder-3,ladder-4"}
     log = json.loads((tmp_path / "record_log_cpu_tiny.json").read_text())["parts"]
-    assert (log["ladder-3"]["status"], log["ladder-4"]["status"]) == ("done", "interrupted")
-    # the rest, recorded later, completes the file
+    assert [log[p]["status"] for p in ("scaling-8", "ladder-3", "ladder-4")] == [
+        "done", "interrupted", "interrupted"]
+    # the batch, recorded again, completes the file with its stages interleaved
     monkeypatch.setattr(labkit.measure.bench, "measure_stages", measure)
-    _record(tmp_path, "ladder-4", run="cut")
+    _record(tmp_path, "ladder-3,ladder-4", run="cut")
     result = json.loads((tmp_path / "ladder_cpu_tiny.json").read_text())
     assert [r["stage"] for r in result["ladder"]] == [3, 4]
+    assert [r["interleaved"] for r in result["ladder"]] == [2, 2]
+    assert result["scaling"] == swept
 
 
 def test_a_signal_during_record_keeps_the_rows_and_exits_128_plus_n(tmp_path):
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "labkit", "record", "--device", "cpu", "--profile", "tiny",
-           "--part", "ladder-3,ladder-4,ladder-5,ladder-6", "--allow-dirty", "--out", str(out)]
+           "--part", "ladder-3,scaling-8", "--allow-dirty", "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     path = out / "ladder_cpu_tiny.json"
@@ -185,7 +193,7 @@ def test_a_signal_during_record_keeps_the_rows_and_exits_128_plus_n(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "interrupted by SIGTERM" in err and "Traceback" not in err
     result = json.loads(path.read_text())
-    assert 1 <= len(result["ladder"]) < 4
+    assert len(result["ladder"]) == 1 and len(result["scaling"]) < 6
     (run,) = result["runs"].values()
     assert run["interrupted"]["signal"] == "SIGTERM"
 
@@ -258,9 +266,11 @@ def test_one_row_model_renders_text_and_markdown_alike():
     skipped = {"stage": 8, "name": "cuda_graphs", "n_envs": 32, "status": "skipped: needs CUDA"}
     text = tables.LADDER.text([ok, skipped]).splitlines()
     md = tables.LADDER.markdown([ok, skipped]).splitlines()
-    cells = ["3", "batched_ops", "32", "5,047", "-", "2.9", "-", "294", "0.40", "8,974", "56.2",
-             "-", "fp32"]
-    assert text[2].split() == cells  # a row without a spread or a verdict (an older record)
+    # a row without a spread, a verdict or the device / host-scalar split (an older record):
+    # a dash where a figure was never measured, never 0
+    cells = ["3", "batched_ops", "32", "5,047", "-", "2.9", "-", "\u2014", "\u2014", "0.40",
+             "8,974", "56.2", "-", "fp32"]
+    assert text[2].split() == cells
     assert [c.strip() for c in md[2].strip("|").split("|")] == [*cells, ""]
     assert text[3].split() == ["8", "cuda_graphs", "32", "skipped:", "needs", "CUDA"]
     assert md[3].startswith("| 8 | cuda_graphs | 32 | skipped: needs CUDA |")

@@ -8,7 +8,8 @@ estimated minutes), each one command's worth of work or less:
 ===============  ========================================================================
 part             what it measures or writes (device D, profile P)
 ===============  ========================================================================
-``ladder-S``     stage S at the profile's N and T: a row of ``results/ladder_D_P.json``
+``ladder-S``     stage S at the profile's N and T: a row of ``results/ladder_D_P.json``;
+                 the ladder parts of one command are timed together, interleaved
 ``scaling-N``    every stage that scales, at N envs: rows of the same file's sweep
 ``bench_env``    env steps/s of each Forage implementation: ``bench_env_D_P.json``
 ``learning``     a training curve per stage: ``learning_D_P.json`` and ``.png``
@@ -384,9 +385,11 @@ class _Session:
 
     def ladder(self, parts: list[Part], stages: list | None,
                on_part: Callable[[Part, float, list[Path]], None]) -> None:
-        """The ladder and scaling ``parts``, one ``run_ladder`` call each with one calibration,
-        every row merged into the ladder file as it is measured; the figures after each part
-        (and after an interruption, which is raised again once the finished rows are kept)."""
+        """The ladder and scaling ``parts``, one ``run_ladder`` call per batch with one
+        calibration, every row merged into the ladder file as it is measured; the figures after
+        each batch (and after an interruption, which is raised again once the finished rows are
+        kept). The ladder parts of one command form one batch: their stages are timed together,
+        in interleaved rounds, so a machine that slows down slows them alike."""
         from ..config import BenchConfig
         from ..measure.bench import calibrate, run_ladder
         from ..signals import Stop, signum_of
@@ -399,26 +402,40 @@ class _Session:
         cal = calibrate(self.device, {p.item for p in parts if p.kind == "ladder"}
                         | ({s for s in swept} if any(p.kind == "scaling" for p in parts)
                            else set()))
+        batches: list[list[Part]] = []
         for part in parts:
-            book.begin(part.name)
+            if part.kind == "ladder" and batches and batches[-1][0].kind == "ladder":
+                batches[-1].append(part)
+            else:
+                batches.append([part])
+        for batch in batches:
+            for part in batch:
+                book.begin(part.name)
             start = time.perf_counter()
             try:
-                if part.kind == "ladder":
-                    result = run_ladder(cfg, self.device, stages=[part.item], scaling=False,
-                                        profile=self.profile, on_row=book.add, calibration=cal)
-                else:
-                    result = run_ladder(cfg.replace(scaling_n_envs=(part.item,)), self.device,
-                                        stages=swept, ladder=False, profile=self.profile,
+                if batch[0].kind == "ladder":
+                    result = run_ladder(cfg, self.device, stages=[p.item for p in batch],
+                                        scaling=False, profile=self.profile,
                                         on_row=book.add, calibration=cal)
+                else:
+                    result = run_ladder(cfg.replace(scaling_n_envs=(batch[0].item,)),
+                                        self.device, stages=swept, ladder=False,
+                                        profile=self.profile, on_row=book.add,
+                                        calibration=cal)
                 if result.get("interrupted"):  # run_ladder kept its rows and said why
                     raise Stop(_signum(result["interrupted"]))
                 written = [book.path, *self._figures(book, stem)]
             except KeyboardInterrupt as stop:
-                book.interrupted(signal.Signals(signum_of(stop)).name, part.name)
-                self.log(part.name, time.perf_counter() - start, "interrupted")
+                names = ",".join(p.name for p in batch)
+                book.interrupted(signal.Signals(signum_of(stop)).name, names)
+                for part in batch:
+                    self.log(part.name, (time.perf_counter() - start) / len(batch),
+                             "interrupted")
                 self._figures(book, stem, reraise=False)
                 raise
-            on_part(part, time.perf_counter() - start, written)
+            took = (time.perf_counter() - start) / len(batch)  # shared, for the plan
+            for part in batch:
+                on_part(part, took, written if part is batch[-1] else [])
 
     def _figures(self, book: LadderFile, stem: str, reraise: bool = True) -> list[Path]:
         from ..book.plots import save_figures
@@ -646,6 +663,15 @@ def runs_note(result: dict) -> str:
             "of the same run only (`-` where the two rows come from different runs).")
 
 
+def _said(result: dict) -> list[str]:
+    """What the ladder record says, as Markdown list items computed from it (then a blank
+    line), or nothing."""
+    from ..book.claims import ladder_summary
+
+    lines = [f"- {s}" for s in ladder_summary(result)]
+    return [*lines, ""] if lines else []
+
+
 def ladder_table(result: dict) -> str:
     """The ladder as a Markdown table (what the README shows)."""
     return tables.LADDER.markdown(result["ladder"])
@@ -698,7 +724,7 @@ def results_markdown(folder: str | Path) -> str:
                  f"profile {r['meta']['profile']}", "", _source(name, r["meta"]) + f"; N="
                  f"{run['n_envs']}, T={run['n_steps']}; matmul peak "
                  f"{r['peak_flops'] / 1e9:,.0f} GFLOP/s ({r['peak_dtype']}).", "",
-                 ladder_table(r), "", runs_note(r), "",
+                 ladder_table(r), "", runs_note(r), "", *_said(r),
                  "Where an iteration goes (ms per iteration):", "",
                  phase_table(r), ""]
         if r["scaling"]:
@@ -744,8 +770,9 @@ def readme_section(folder: str | Path) -> str:
 
     def section() -> list[str]:
         run = r["config"]["run"]
+        said = "".join(f"{line}\n" for line in _said(r))
         return [f"{gpu}From {_source(name, r['meta'])}; N={run['n_envs']}, "
-                f"T={run['n_steps']}:\n\n{ladder_table(r)}\n\n{runs_note(r)}\n\n"
+                f"T={run['n_steps']}:\n\n{ladder_table(r)}\n\n{runs_note(r)}\n\n{said}"
                 f"![ladder](results/{Path(name).stem}_ladder.png)\n\n"
                 "Every recorded table (phases, scaling, env benchmark, learning) is in "
                 "[results/RESULTS.md](results/RESULTS.md).\n"]

@@ -146,23 +146,28 @@ def run_curve(run_dir: str | Path) -> list[dict]:
 
 
 def save_figures(result: dict, out_dir: str | Path, stem: str) -> list[Path]:
-    """Write the ladder, scaling and learning-curve PNGs; return their paths."""
+    """Write the ladder, scaling, phases and learning-curve PNGs of the sections that hold
+    rows (a record's sweep can come before its ladder); return their paths."""
     plt = _plt()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for suffix, draw in (("ladder", ladder_bars), ("scaling", scaling_lines),
-                         ("phases", lambda r: phase_bars(r["ladder"], title=_title(r)))):
+    for suffix, section, draw in (
+            ("ladder", "ladder", ladder_bars), ("scaling", "scaling", scaling_lines),
+            ("phases", "ladder", lambda r: phase_bars(r["ladder"], title=_title(r)))):
+        if not result.get(section):
+            continue
         ax = draw(result)
         paths.append(out_dir / f"{stem}_{suffix}.png")
         ax.figure.savefig(paths[-1], dpi=120)
         plt.close(ax.figure)
-    curves = {f"{r['stage']} {r['name']}": r["curve"] for r in result["ladder"]
+    curves = {f"{r['stage']} {r['name']}": r["curve"] for r in result.get("ladder", [])
               if r.get("status") == "ok"}
-    axes = learning_curves(curves)
-    paths.append(out_dir / f"{stem}_learning.png")
-    axes[0].figure.savefig(paths[-1], dpi=120)
-    plt.close(axes[0].figure)
+    if curves:
+        axes = learning_curves(curves)
+        paths.append(out_dir / f"{stem}_learning.png")
+        axes[0].figure.savefig(paths[-1], dpi=120)
+        plt.close(axes[0].figure)
     return paths
 
 

@@ -252,6 +252,7 @@ def _finish(t: _Timing, cfg: BenchConfig, lap_cost: float, peaks: dict | None) -
         "device_reads_rollout_per_step": m_roll.device_reads / run.n_steps,
         "device_reads_update": m_upd.device_reads,
         "host_scalar_reads_per_iter": m_roll.host_scalar_reads + m_upd.host_scalar_reads,
+        "host_scalar_reads_update": m_upd.host_scalar_reads,
         "flops_per_s": _work_flops(run) / it_s,
     })
     row["update_ms"] = row["phase_ms"].get("update", 0.0)

@@ -1,0 +1,52 @@
+"""The chapters' generated sentences follow their data: feed a record in which the order
+flips and the sentence flips with it."""
+from labkit.book.claims import compare_stages, first_to_reach, update_share
+
+
+def _row(stage, name, sps, **phases):
+    return {"stage": stage, "name": name, "status": "ok", "n_envs": 32, "sps": sps,
+            "phase_ms": phases}
+
+
+def test_compare_stages_says_faster_or_slower_from_the_rates_and_names_what_moved():
+    a = _row(1, "numpy_vec", 10_000, env=17.0, policy=40.0, update=120.0)
+    b = _row(7, "fused_amp", 8_000, env=42.0, policy=41.0, update=148.0)
+    slow = compare_stages([a, b], "numpy_vec", "fused_amp")
+    assert "0.80x" in slow and "slower than" in slow
+    assert "update 148.0 ms against 120.0; env 42.0 ms against 17.0" in slow
+    fast = compare_stages([a, {**b, "sps": 12_500}], "numpy_vec", "fused_amp")
+    assert "1.25x" in fast and "faster than" in fast
+    gone = compare_stages([a, {**b, "status": "skipped: needs CUDA"}], "numpy_vec", "fused_amp")
+    assert gone == "No comparison: fused_amp did not run here."
+
+
+def test_update_share_gives_the_range_and_where_the_update_is_largest():
+    rows = [_row(3, "batched_ops", 1, env=10.0, update=90.0),
+            _row(7, "fused_amp", 1, env=30.0, update=70.0)]
+    text = update_share(rows, ["batched_ops", "fused_amp"])
+    assert "70–90% of an iteration" in text and "every one of them" in text
+    rows[1]["phase_ms"] = {"env": 80.0, "update": 20.0}
+    text = update_share(rows, ["batched_ops", "fused_amp"])
+    assert "20–90%" in text and "in batched_ops only" in text
+
+
+def _curve(*points):
+    return {"status": "ok", "curve": [{"steps": s, "wall_s": w, "mean_return": r}
+                                      for s, w, r in points]}
+
+
+def test_first_to_reach_follows_the_wall_clock_not_the_stage_order():
+    record = {"meta": {"device_name": "x86_64", "device": "cpu"}, "stages": {
+        "numpy_vec": _curve((1000, 10.0, None), (2000, 20.0, 15.0)),
+        "fused_amp": _curve((1000, 5.0, 9.0), (2000, 30.0, 16.0)),
+        "cuda_graphs": {"status": "skipped: needs CUDA"}}}
+    text = first_to_reach(record, 15.0)
+    assert text.startswith("On x86_64 (cpu), numpy_vec reached a mean return of 15.0 first: "
+                           "after 20 s")
+    assert "fused_amp after 30 s (2,000 steps)" in text
+    record["stages"]["fused_amp"]["curve"][1]["wall_s"] = 12.0
+    assert "fused_amp reached a mean return of 15.0 first: after 12 s" \
+        in first_to_reach(record, 15.0)
+    assert first_to_reach(record, 99.0) == "On x86_64 (cpu), no stage reached a mean return " \
+                                           "of 99.0."
+    assert "; numpy_vec did not reach it." in first_to_reach(record, 15.5)
