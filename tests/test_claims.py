@@ -50,3 +50,27 @@ def test_first_to_reach_follows_the_wall_clock_not_the_stage_order():
     assert first_to_reach(record, 99.0) == "On x86_64 (cpu), no stage reached a mean return " \
                                            "of 99.0."
     assert "; numpy_vec did not reach it." in first_to_reach(record, 15.5)
+
+
+def test_a_record_made_before_the_read_split_shows_dashes_and_says_so(tmp_path):
+    """Results recorded before device / host-scalar reads existed (or a future file without
+    them) render a dash and a sentence saying so, never 0 or an error."""
+    import json
+
+    from labkit.app.record import results_markdown
+    from labkit.book.claims import ladder_summary
+
+    row = {"stage": 0, "name": "python_loop", "status": "ok", "n_envs": 32, "n_steps": 64,
+           "sps": 100.0, "iteration_s_samples": [1.0, 1.1], "x_vs_stage0": 1.0,
+           "x_vs_prev": None, "host_reads_per_iter": 2342, "warmup_s": 0.8,
+           "ceiling_sps": 200.0, "frac_of_ceiling": 0.5, "precision": "fp32",
+           "phase_ms": {"env": 10.0, "update": 20.0}}
+    later = {**row, "stage": 1, "name": "numpy_vec", "sps": 300.0}
+    meta = {"device": "cuda", "device_name": "GPU", "profile": "full", "date": "2026-11-25",
+            "git_commit": "abc1234", "torch": "2.13"}
+    result = {"meta": meta, "config": {"run": {"n_envs": 32, "n_steps": 64}},
+              "peak_flops": 1e12, "peak_dtype": "bf16", "ladder": [row, later], "scaling": []}
+    (tmp_path / "ladder_cuda_full.json").write_text(json.dumps(result))
+    text = results_markdown(tmp_path)
+    assert "| 2342 |" not in text and "| \u2014 | \u2014 |" in text
+    assert ladder_summary(result)[-1].startswith("This record predates the split")
