@@ -308,3 +308,12 @@ def test_launches_per_optimizer_step_fused_fewest_per_parameter_growing():
         for kw in ({"foreach": False}, {"foreach": True}, {"fused": True}))
     assert fused3 < foreach3 < loop3 and fused6 < foreach6 < loop6
     assert loop6 == 2 * loop3 and foreach6 == foreach3 and fused6 == fused3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_parameters_host_copy_is_host_data_and_the_parameter_stays_on_the_device(device):
+    w = torch.nn.Parameter(torch.ones(4, device=device))
+    with SyncMeter() as m:
+        w.cpu().sum().item()  # one copy to the host (a sync), then host data
+        (w * 2).sum().item()  # the parameter itself: still a device tensor
+    assert (m.device_counts, m.host_scalar_counts) == ({"cpu": 1, "item": 1}, {"item": 1})

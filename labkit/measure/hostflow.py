@@ -43,7 +43,6 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 #: torch's frames between an op call and the dispatch mode (never the code that made the call)
 _PASS_THROUGH = (os.path.join("torch", "utils", "_python_dispatch.py"),
                  os.path.join("torch", "_ops.py"), os.path.join("_dynamo", "eval_frame.py"),
@@ -163,12 +162,13 @@ class HostFlow(TorchDispatchMode):
         """``out`` is what ``src.cpu()`` or ``src.to("cpu")`` returned: a copy on the host. On
         the CPU torch returns ``src`` itself; the copy is then an alias of it (same storage,
         another tensor), so that ``src`` stays what it was and the alias is host data, as the
-        copy would be on a GPU. A Parameter (or other subclass) stays itself, and its reads
-        count as reads of the copy until it is next written."""
+        copy would be on a GPU (a Parameter's alias is a plain tensor, as ``.cpu()`` of a CUDA
+        Parameter is). Any other subclass stays itself, and its reads count as reads of the
+        copy until it is next written."""
         if out is not src:
             self.add_host(out)
             return out
-        if type(src) is torch.Tensor:
+        if type(src) in (torch.Tensor, torch.nn.Parameter):
             try:
                 out = src.view_as(src)
             except RuntimeError:  # a layout with no views
