@@ -119,3 +119,57 @@ def test_amdahl_bound_and_the_rate_it_bounds_come_from_the_same_iterations():
     assert amdahl_sps({"update": 640.0}, 1000, free=()) < row["sps"] * 1.4
     with pytest.raises(ValueError, match="phase_ms_samples"):
         amdahl({"n_envs": 1, "n_steps": 1}, free=("env",))
+
+
+def _chapter_function(notebook: str, name: str):
+    """The function ``name`` that a chapter defines in one of its cells, on its own: the
+    sentences a chapter prints from its data are tested with data where the order flips."""
+    import ast
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "notebooks" / notebook
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        for node in ast.parse("".join(cell["source"])).body:
+            if isinstance(node, ast.FunctionDef) and node.name == name:
+                namespace: dict = {}
+                exec(compile(ast.Module([node], []), str(path), "exec"), namespace)
+                return namespace[name]
+    raise LookupError(f"{notebook} defines no {name}")
+
+
+def test_chapter_00_says_which_layer_won_either_way():
+    verdict = _chapter_function("00_measure_first.ipynb", "compile_verdict")
+    slower, faster = verdict(0.569e-3, 0.437e-3), verdict(0.3e-3, 0.6e-3)
+    assert slower.startswith("compiled is not faster here (1.30x eager's time)")
+    assert faster.startswith("compiled is faster here (2.00x eager's speed)")
+    assert "overhead (guards, wrapper)" in slower and "overhead (guards, wrapper)" in faster
+
+
+def test_chapter_00_reads_rising_or_flattening_from_the_sweep():
+    verdict = _chapter_function("00_measure_first.ipynb", "scaling_verdict")
+
+    def rows(*sps):
+        return [{"status": "ok", "name": "s", "n_envs": n, "sps": v}
+                for n, v in zip((16, 64, 256), sps)]
+
+    rising = verdict(rows(4766, 8484, 15175) + [{"status": "skipped: needs CUDA", "name": "g"}])
+    assert "s               env steps/s x1.78 to N=64 (N x4), x1.79 to N=256 (N x4): rises " \
+           "at every N" in rising
+    assert "none flattens in this range" in rising and "none grows as fast as N" in rising
+    flat = verdict(rows(4000, 16000, 17000))
+    assert "s               env steps/s x4.00 to N=64 (N x4), x1.06 to N=256 (N x4): " \
+           "flattens from N=256" in flat
+    assert "1 of 1 stages flatten" in flat and "1 step(s) grow as fast as N" in flat
+
+
+def test_chapter_01_calls_stage_0_overhead_bound_only_when_the_ceiling_says_so():
+    verdict = _chapter_function("01_the_python_loop.ipynb", "overhead_verdict")
+    low, high = verdict(0.34, 14, 179_808), verdict(0.8, 14, 179_808)
+    assert low.startswith("stage 0 reached 34% of its compute ceiling: most of an iteration "
+                          "(66%) is not model work. Overhead-bound")
+    assert high.startswith("stage 0 reached 80% of its compute ceiling: most of an iteration is "
+                           "model work here") and "Overhead-bound" not in high
+    assert "each env adds 14 kernels per step for 180 kFLOP" in low and "12.8 kFLOP" in high
