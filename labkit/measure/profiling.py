@@ -117,7 +117,9 @@ def launches(fn: Callable[[], object]) -> Counter:
     (:mod:`labkit.measure.hostflow`), so torch's default Adam adding 1 to its CPU step counters
     is not one; allocations, host reads and profiler marks launch nothing. A top-level op
     counts once: a foreach or fused op is one launch here, as on a GPU it is one (or a few
-    chunks), while the CPU runs it as a loop."""
+    chunks), while the CPU runs it as a loop. ``fn`` runs eagerly: torch.compile refuses a
+    dispatch mode that would see inside its graphs, and inductor's fused kernels are not aten
+    ops (count the eager step a compiled one was made from)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from . import hostflow
