@@ -58,3 +58,69 @@ def test_reads_by_file_drops_lines_functions_and_via():
     assert reads_by_file(sites) == {"labkit/ppo.py": 160, "labkit/logging.py": 32,
                                     "<unknown>": 1}
     assert list(reads_by_file(sites, per=32).values()) == [5.0, 1.0, 1 / 32]
+
+
+def test_launches_per_step_fused_fewest_and_flat_per_parameter_grows():
+    """Chapter 08's launch counts: per-parameter Adam grows with the parameter tensors, foreach
+    and fused do not, fused launches fewest; the parameters got gradients of ones."""
+    import torch
+
+    from labkit.book.optim_ops import launches_per_step
+
+    def per_step(n_layers, **flags):
+        model = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(n_layers)])
+        counts = launches_per_step(model.parameters(), **flags)
+        assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
+        return sum(counts.values())
+
+    flags = ({"foreach": False}, {"foreach": True}, {"fused": True})
+    loop2, foreach2, fused2 = (per_step(2, **f) for f in flags)
+    loop4, foreach4, fused4 = (per_step(4, **f) for f in flags)
+    assert fused2 < foreach2 < loop2 and fused4 < foreach4 < loop4
+    assert loop4 == 2 * loop2 and foreach4 == foreach2 and fused4 == fused2
+
+
+def _row(stage, samples, phase_samples=None):
+    """A measure_stage row with only what optim_ops reads (N x T = 100 samples)."""
+    phase_samples = phase_samples or [{"env": 1.0}]
+    mid = sorted(samples)[len(samples) // 2]
+    return {"stage": stage, "n_envs": 10, "n_steps": 10, "iteration_s": mid,
+            "iteration_s_samples": samples, "iteration_s_spread": [min(samples), mid,
+                                                                  max(samples)],
+            "phase_ms": {"env": sorted(p["env"] for p in phase_samples)[len(phase_samples) // 2]},
+            "phase_ms_samples": phase_samples}
+
+
+def test_versus_says_faster_slower_or_within_and_flips_with_the_order():
+    from labkit.book.optim_ops import versus
+
+    slow, fast, close = (_row(6, [0.10, 0.11, 0.12]), _row(7, [0.05, 0.06, 0.07]),
+                         _row(7, [0.095, 0.105, 0.115]))
+    said = versus(slow, fast)
+    assert said.startswith("stage 7 ran at 1.83x stage 6's median env steps/s (1,667 vs 909)")
+    assert "every timed iteration of stage 7 was faster than every one of stage 6" in said
+    flipped = versus(fast, _row(6, [0.10, 0.11, 0.12]) | {"stage": 6})
+    assert "stage 6 ran at 0.55x stage 7's" in flipped
+    assert "every timed iteration of stage 6 was slower than every one of stage 7" in flipped
+    within = versus(slow, close, names=("stage 6 (first)", "stage 6 (again)"))
+    assert within.startswith("stage 6 (again) ran at 1.05x stage 6 (first)'s")
+    assert "overlap (stage 6 (again) 95-115 ms, stage 6 (first) 100-120 ms)" in within
+    assert "within this run's spread" in within and "beyond" not in within
+    # a row recorded with only its spread (no samples) is still compared
+    old = {k: v for k, v in slow.items() if k != "iteration_s_samples"}
+    assert "faster than every one" in versus(old, fast)
+
+
+def test_phase_moved_tells_a_move_beyond_the_spread_from_one_within_it():
+    from labkit.book.optim_ops import phase_moved
+
+    a = _row(4, [0.1], [{"env": 30.0}, {"env": 31.4}, {"env": 33.0}])
+    b = _row(5, [0.1], [{"env": 25.0}, {"env": 26.0}, {"env": 27.0}])
+    c = _row(5, [0.1], [{"env": 28.0}, {"env": 30.5}, {"env": 34.0}])
+    assert phase_moved(a, b, "env") == \
+        "env 31.4 -> 26.0 ms per iteration (shorter in every marked iteration: beyond this " \
+        "run's spread)"
+    assert "longer in every marked iteration" in phase_moved(b, a, "env")
+    assert phase_moved(a, c, "env") == \
+        "env 31.4 -> 30.5 ms per iteration (the marked iterations overlap: within this run's " \
+        "spread)"
