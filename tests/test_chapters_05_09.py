@@ -65,7 +65,7 @@ def test_launches_per_step_fused_fewest_and_flat_per_parameter_grows():
     and fused do not, fused launches fewest; the parameters got gradients of ones."""
     import torch
 
-    from labkit.book.optim_ops import launches_per_step
+    from labkit.measure.profiling import optimizer_launches as launches_per_step
 
     def per_step(n_layers, **flags):
         model = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(n_layers)])
@@ -81,7 +81,7 @@ def test_launches_per_step_fused_fewest_and_flat_per_parameter_grows():
 
 
 def _row(stage, samples, phase_samples=None):
-    """A measure_stage row with only what optim_ops reads (N x T = 100 samples)."""
+    """A measure_stage row with only what claims.versus reads (N x T = 100 samples)."""
     phase_samples = phase_samples or [{"env": 1.0}]
     mid = sorted(samples)[len(samples) // 2]
     return {"stage": stage, "n_envs": 10, "n_steps": 10, "iteration_s": mid,
@@ -92,7 +92,7 @@ def _row(stage, samples, phase_samples=None):
 
 
 def test_versus_says_faster_slower_or_within_and_flips_with_the_order():
-    from labkit.book.optim_ops import versus
+    from labkit.book.claims import versus
 
     slow, fast, close = (_row(6, [0.10, 0.11, 0.12]), _row(7, [0.05, 0.06, 0.07]),
                          _row(7, [0.095, 0.105, 0.115]))
@@ -112,7 +112,7 @@ def test_versus_says_faster_slower_or_within_and_flips_with_the_order():
 
 
 def test_phase_moved_tells_a_move_beyond_the_spread_from_one_within_it():
-    from labkit.book.optim_ops import phase_moved
+    from labkit.book.claims import phase_moved
 
     a = _row(4, [0.1], [{"env": 30.0}, {"env": 31.4}, {"env": 33.0}])
     b = _row(5, [0.1], [{"env": 25.0}, {"env": 26.0}, {"env": 27.0}])

@@ -4,8 +4,9 @@ from labkit.book.claims import compare_stages, first_to_reach, update_share
 
 
 def _row(stage, name, sps, **phases):
-    return {"stage": stage, "name": name, "status": "ok", "n_envs": 32, "sps": sps,
-            "phase_ms": phases}
+    seconds = 32 * 64 / sps
+    return {"stage": stage, "name": name, "status": "ok", "n_envs": 32, "n_steps": 64,
+            "sps": sps, "phase_ms": phases, "iteration_s_samples": [seconds, seconds * 1.01]}
 
 
 def test_compare_stages_says_faster_or_slower_from_the_rates_and_names_what_moved():
@@ -14,8 +15,12 @@ def test_compare_stages_says_faster_or_slower_from_the_rates_and_names_what_move
     slow = compare_stages([a, b], "numpy_vec", "fused_amp")
     assert "0.80x" in slow and "slower than" in slow
     assert "update 148.0 ms against 120.0; env 42.0 ms against 17.0" in slow
-    fast = compare_stages([a, {**b, "sps": 12_500}], "numpy_vec", "fused_amp")
+    quick = {**b, "sps": 12_500, "iteration_s_samples": [0.16, 0.165]}
+    fast = compare_stages([a, quick], "numpy_vec", "fused_amp")
     assert "1.25x" in fast and "faster than" in fast
+    overlapping = {**quick, "iteration_s_samples": [0.16, 0.21]}  # a's 0.2048 s inside it
+    assert "within this run's spread of it" in compare_stages([a, overlapping], "numpy_vec",
+                                                              "fused_amp")
     gone = compare_stages([a, {**b, "status": "skipped: needs CUDA"}], "numpy_vec", "fused_amp")
     assert gone == "No comparison: fused_amp did not run here."
 

@@ -2,7 +2,10 @@
 written from the numbers themselves, so a re-record that changes the order changes the words.
 
 Each function takes rows or a record as ``labkit.measure.bench`` and ``labkit.app.record``
-write them and returns one or two plain sentences; nothing here measures anything."""
+write them and returns one or two plain sentences; nothing here measures anything.
+:func:`versus` and :func:`phase_moved` claim a difference only where the rows' timed
+iterations resolve it: the two ranges (fastest to slowest iteration) do not overlap;
+otherwise it is within this run's spread."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -35,6 +38,8 @@ def compare_stages(rows: list[dict], before: str, after: str, phases: int = 2) -
     moved = sorted(set(a["phase_ms"]) & set(b["phase_ms"]),
                    key=lambda k: -abs(b["phase_ms"][k] - a["phase_ms"][k]))[:phases]
     parts = [f"{k} {b['phase_ms'][k]:.1f} ms against {a['phase_ms'][k]:.1f}" for k in moved]
+    if _apart(_span(_iterations(b)), _span(_iterations(a))) == 0:
+        word = "within this run's spread of"  # their timed iterations overlap
     return (f"Stage {b['stage']} {after} runs at {ratio:.2f}x stage {a['stage']} {before} "
             f"({word} it: {b['sps']:,.0f} vs {a['sps']:,.0f} env steps/s at N={b['n_envs']}); "
             f"the phases that moved most: {'; '.join(parts)}.")
@@ -126,3 +131,58 @@ def ladder_summary(result: dict) -> list[str]:
     said.append(update_share(rows, [n for n in names if ok[n]["stage"] >= 3]))
     said.append(reads_story(rows))
     return said
+
+
+def _span(samples: list[float]) -> tuple[float, float]:
+    return (min(samples), max(samples)) if samples else (0.0, float("inf"))
+
+
+def _apart(a: tuple[float, float], b: tuple[float, float]) -> int:
+    """-1 if every value of ``a`` is below every value of ``b``, 1 if above, 0 if they overlap."""
+    return -1 if a[1] < b[0] else 1 if a[0] > b[1] else 0
+
+
+def _iterations(row: dict) -> list[float]:
+    """The row's timed iterations (seconds), or its min / median / max, or its median."""
+    samples = row.get("iteration_s_samples") or row.get("iteration_s_spread")
+    if samples:
+        return list(samples)
+    return [row["n_envs"] * row["n_steps"] / row["sps"]] if "n_steps" in row else []
+
+
+def versus(before: dict, after: dict, names: tuple[str, str] | None = None) -> str:
+    """How the row ``after`` compares with the row ``before`` (two ``measure_stage`` rows at the
+    same N and T): the ratio of their median env steps/s, and whether their timed iterations
+    tell them apart. ``names`` labels them (default: ``stage <index>``)."""
+    a_name, b_name = names or (f"stage {before['stage']}", f"stage {after['stage']}")
+    samples = after["n_envs"] * after["n_steps"]
+    a_sps, b_sps = samples / before["iteration_s"], samples / after["iteration_s"]
+    a_span, b_span = _span(_iterations(before)), _span(_iterations(after))
+    side = _apart(b_span, a_span)
+    if side < 0:
+        verdict = (f"every timed iteration of {b_name} was faster than every one of {a_name}: "
+                   "a difference beyond this run's spread")
+    elif side > 0:
+        verdict = (f"every timed iteration of {b_name} was slower than every one of {a_name}: "
+                   "a difference beyond this run's spread")
+    else:
+        verdict = (f"their timed iterations overlap ({b_name} {1e3 * b_span[0]:.0f}-"
+                   f"{1e3 * b_span[1]:.0f} ms, {a_name} {1e3 * a_span[0]:.0f}-"
+                   f"{1e3 * a_span[1]:.0f} ms): within this run's spread, a difference it "
+                   "cannot resolve")
+    return (f"{b_name} ran at {b_sps / a_sps:.2f}x {a_name}'s median env steps/s "
+            f"({b_sps:,.0f} vs {a_sps:,.0f}); {verdict}")
+
+
+def phase_moved(before: dict, after: dict, phase: str) -> str:
+    """How one phase moved from ``before`` to ``after`` (medians of the phase-marked iterations)
+    and whether the two rows' marked iterations tell it apart."""
+    def times(row: dict) -> list[float]:
+        return [ms.get(phase, 0.0) for ms in row.get("phase_ms_samples") or [row["phase_ms"]]]
+
+    a, b = before["phase_ms"].get(phase, 0.0), after["phase_ms"].get(phase, 0.0)
+    side = _apart(_span(times(after)), _span(times(before)))
+    verdict = ("the marked iterations overlap: within this run's spread" if side == 0 else
+               f"{'shorter' if side < 0 else 'longer'} in every marked iteration: beyond this "
+               "run's spread")
+    return f"{phase} {a:.1f} -> {b:.1f} ms per iteration ({verdict})"

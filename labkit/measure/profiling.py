@@ -8,7 +8,7 @@ import os
 import shutil
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -145,6 +145,19 @@ def launches(fn: Callable[[], object]) -> Counter:
     with hostflow.tracked(), _Count():
         fn()
     return counts
+
+
+def optimizer_launches(params: Iterable[torch.Tensor], **flags) -> Counter:
+    """The kernels one ``torch.optim.Adam(params, **flags)`` step would launch on a GPU, by op
+    name, counted on its second step (the first one creates the optimizer's state). A parameter
+    without a gradient gets a gradient of ones. Two Adam steps change the parameters."""
+    params = list(params)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.ones_like(p)
+    optimizer = torch.optim.Adam(params, **flags)
+    optimizer.step()
+    return launches(optimizer.step)
 
 
 def trace_pipeline(pipeline, out_dir: str | os.PathLike, iterations: int = 1,
