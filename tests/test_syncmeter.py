@@ -317,3 +317,12 @@ def test_a_parameters_host_copy_is_host_data_and_the_parameter_stays_on_the_devi
         w.cpu().sum().item()  # one copy to the host (a sync), then host data
         (w * 2).sum().item()  # the parameter itself: still a device tensor
     assert (m.device_counts, m.host_scalar_counts) == ({"cpu": 1, "item": 1}, {"item": 1})
+
+
+def test_an_op_that_returns_nothing_launches_on_its_device_inputs():
+    from labkit.measure.profiling import launches
+
+    on_device = torch.ones(3)  # made before: a device tensor, the cautious side
+    assert launches(lambda: torch._assert_async((on_device > 0).all())) == {
+        "gt": 1, "all": 1, "_assert_async": 1}
+    assert launches(lambda: torch._assert_async(torch.tensor(True))) == {}
