@@ -1,6 +1,8 @@
 """labkit doctor: every planted regression is found, with its evidence and chapter; the clean
-final stage yields nothing; stage 0 yields its host reads; a graphed stage is diagnosed without
-its graphs; the CLI's exit codes and JSON."""
+final stage yields nothing; stage 0 yields its device reads, and a host-scalar read (a non-fused
+Adam's CPU step counter) is never a sync finding; the unfused optimizer is found by its kernel
+launches; a plant's times against the clean stage's get a noise verdict; a graphed stage is
+diagnosed without its graphs; the CLI's exit codes and JSON."""
 import copy
 import dataclasses
 import json
@@ -13,6 +15,7 @@ from labkit.config import RunConfig
 from labkit.doctor import KINDS, Finding, diagnose, plants, without_graphs
 from labkit.doctor.meters import Watch
 from labkit.doctor.plants import PLANTS, plant
+from labkit.doctor.report import WITHIN_NOISE, compare_times, symptoms
 from labkit.envs import ForageTorch
 from labkit.executors import Compiled, Eager, Graphed
 from labkit.metrics import DeviceEpisodeStats
@@ -103,10 +106,71 @@ def test_host_read_counts_match_the_plants(reports):
     assert nan["per_step"] == 4  # observations, logprobs, values, rewards
     loop = _findings(reports["per_item_loop"], "host_read")[0].evidence
     assert loop["per_step"] >= RUN.n_envs  # one per env, more per finished episode
-    adam = _findings(reports["unfused_adam"], "host_read")[0].evidence
+
+
+def test_unfused_adam_is_found_by_its_launches_not_by_its_counter_reads(reports):
+    """Per-parameter Adam reads a CPU step counter per parameter per step: host-scalar reads,
+    no sync, so no host_read finding. Its GPU cost is kernel launches per optimizer step, one
+    set per parameter against the clean stage's fused step; the finding claims no share of the
+    iteration it did not measure."""
+    report = reports["unfused_adam"]
     n_params = len(list(Agent().parameters()))
-    assert adam["per_update"] == n_params * 16  # a step counter per parameter per minibatch
-    assert all("via torch/optim/" in s["site"] for s in adam["sites"])
+    minibatch_steps = RUN.ppo.update_epochs * RUN.ppo.n_minibatches
+    assert report.kinds == ["excess_ops"]
+    reads = report.host_reads
+    assert reads["host_scalar"]["per_update"] == n_params * minibatch_steps
+    assert reads["device"] == {"per_step": 0, "per_update": 1, "by_kind": {"tolist": 1}}
+    assert reads["per_update"] == n_params * minibatch_steps + 1  # the total, as before
+    (f,) = report.findings
+    launched = f.evidence["ops"]["kernel launches per optimizer step"]
+    mine, clean = launched["this stage"], launched["clean stage"]
+    assert mine % n_params == 0 and mine >= 2 * n_params  # ops once per parameter
+    assert clean < n_params  # fused: a few for all of them
+    assert f.evidence["optimizer"] == "per-parameter Adam, foreach=False"
+    assert f.evidence["steps_per_update"] == minibatch_steps
+    assert f.summary.startswith(f"{mine:g} kernel launches per optimizer step vs {clean:g}")
+    assert f.cost["share"] is None and f.cost["ms_per_iteration"] is None
+    assert f.cost["extra_launches_per_update"] == (mine - clean) * minibatch_steps
+    assert f.chapter == "08_fused_optimizers_and_amp"
+    text = " ".join(report.format().split())
+    assert "% of the iteration" not in text and "launch overhead on a GPU, not timed here" in text
+
+
+def test_host_scalar_reads_are_no_sync_finding():
+    """Stage 6 at a small N reads Adam's 10 CPU step counters per minibatch step and the
+    device metrics once per update: the counters are host-scalar reads (no finding), the one
+    device read is the deliberate one (accepted); the report shows both apart."""
+    report = diagnose("gpu_metrics", cfg=RUN, device=CPU, iterations=2)
+    n_params = len(list(Agent().parameters()))
+    minibatch_steps = RUN.ppo.update_epochs * RUN.ppo.n_minibatches
+    assert "host_read" not in report.kinds and report.findings == [], report.format()
+    assert report.host_reads["device"]["per_update"] == 1
+    assert report.host_reads["host_scalar"] == {
+        "per_step": 0, "per_update": n_params * minibatch_steps,
+        "by_kind": {"item": n_params * minibatch_steps}}
+    assert list(report.host_reads["accepted"].values()) == [1]
+    text = " ".join(report.format().split())
+    assert "device reads (a sync each on a GPU): 0 per rollout step, 1 per update" in text
+    assert f"no GPU wait): 0 per rollout step, {n_params * minibatch_steps} per update" in text
+
+
+def test_the_verdict_says_within_noise_only_when_the_samples_overlap():
+    clean = [0.050, 0.052, 0.049, 0.061, 0.051]
+    overlapping = [0.055, 0.058, 0.050, 0.070, 0.056]
+    apart = [0.080, 0.082, 0.079, 0.085, 0.081]
+    near = compare_times(overlapping, clean)
+    assert near["verdict"] == WITHIN_NOISE and near["ratio"] > 1  # a higher median, still noise
+    far = compare_times(apart, clean)
+    assert far["verdict"] == "slower" and round(far["ratio"], 2) == 1.59
+    assert (far["min"], far["median"], far["max"]) == (0.079, 0.081, 0.085)
+    assert compare_times(clean, apart)["verdict"] == "faster"
+    with pytest.raises(ValueError):
+        compare_times([], clean)
+    # the sentences come from the verdicts: flip the data, the sentence flips
+    said = symptoms({"a": far, "b": near}, "this CPU")
+    assert "1 of 2 plants ran slower" in said and "a 1.59x" in said and "within noise" in said
+    said = symptoms({"a": near, "b": near}, "this CPU")
+    assert "slower" not in said and "all 2 are within noise" in said
 
 
 def test_cpu_tensor_is_found_at_its_factory(reports):
@@ -180,7 +244,12 @@ def test_the_clean_final_stage_has_no_findings(clean):
     ((site, n),) = clean.host_reads["accepted"].items()
     assert site.startswith("labkit/metrics.py:") and "(summary)" in site and n == 1
     assert clean.host_reads["per_step"] == 0 and clean.host_reads["per_update"] == 1
+    assert clean.host_reads["device"]["per_update"] == 1
+    assert clean.host_reads["host_scalar"]["per_update"] == 0  # fused Adam: counters on device
     assert set(clean.phase_ms) >= {"policy", "env", "update"} and clean.iteration_s > 0
+    # at least 5 timed iterations, kept, so a table can give min / median / max
+    assert clean.iterations >= 5 and len(clean.iteration_s_samples) == clean.iterations
+    assert min(clean.iteration_s_samples) <= clean.iteration_s <= max(clean.iteration_s_samples)
 
 
 @pytest.mark.parametrize("n_envs", [4, 16])
@@ -189,9 +258,10 @@ def test_the_clean_final_stage_has_no_findings_at_other_sizes(n_envs):
     assert report.findings == [], report.format()
 
 
-def test_stage_0_yields_its_host_reads():
+def test_stage_0_yields_its_device_reads():
     n = 4
-    report = diagnose("python_loop", cfg=RunConfig(n_envs=n, n_steps=8), device=CPU)
+    report = diagnose("python_loop", cfg=RunConfig(n_envs=n, n_steps=8), device=CPU,
+                      iterations=2)
     assert report.kinds == ["host_read"]
     by_part = {f.where: f for f in report.findings}
     per_env = by_part["the collector (PerEnvCollector)"]
@@ -200,7 +270,10 @@ def test_stage_0_yields_its_host_reads():
     assert per_env.chapter == "02_vectorize_with_numpy"
     assert by_part["the logger (SyncLogger)"].chapter == "05_log_off_the_hot_path"
     assert by_part["the metrics (EagerEpisodeStats)"].chapter == "07_metrics_on_the_device"
-    assert by_part["the optimizer (Adam)"].chapter == "08_fused_optimizers_and_amp"
+    # Adam's step counters are CPU tensors on every device: counted apart, never a sync finding
+    assert "the optimizer (Adam)" not in by_part
+    assert report.host_reads["host_scalar"]["per_update"] == 160
+    assert report.host_reads["per_update"] == report.host_reads["device"]["per_update"] + 160
 
 
 def test_a_diagnosed_pipeline_is_left_as_it_was():
@@ -267,14 +340,15 @@ def test_a_graphed_stage_is_diagnosed_without_its_graphs():
     (f,) = report.findings
     assert f.kind == "excess_ops" and f.where == "the env (CloningForage)"
     assert f.evidence["ops"]["clone per step (rollout)"]["clean stage"] == 0
-    # A built graphed pipeline: diagnosed as an eager copy, itself untouched. Unfused Adam's
-    # reads would fail the update's capture on a GPU; without graphs they are counted.
+    # A built graphed pipeline: diagnosed as an eager copy, itself untouched. A replay would
+    # hide the unfused optimizer's launches; without graphs they are counted.
     with Pipeline(plant(anywhere, "unfused_adam"), RUN, CPU) as p:
         step = p.global_step
-        report = diagnose(p, baseline=False)
+        report = diagnose(p, iterations=2)
         assert p.global_step == step and isinstance(p.stage.update_executor, Graphed)
     (f,) = report.findings
-    assert report.graphs_off and f.kind == "host_read" and f.evidence["per_update"] == 160
+    assert report.graphs_off and f.kind == "excess_ops" and f.where == "the optimizer (UnfusedAdam)"
+    assert report.host_reads["host_scalar"]["per_update"] == 160
 
 
 class _FailingForage(ForageTorch):
@@ -344,6 +418,10 @@ def test_cli_json_and_exit_codes(capsys):
     (finding,) = out["findings"]
     assert set(finding) == {"kind", "where", "summary", "evidence", "cost", "chapter", "fix"}
     assert finding["kind"] == "host_read"
+    reads = out["host_reads"]  # the totals as before, and the split
+    assert {"per_step", "per_update", "by_kind", "accepted", "device", "host_scalar"} <= set(reads)
+    assert reads["per_step"] == reads["device"]["per_step"] == 1
+    assert len(out["iteration_s_samples"]) == out["iterations"]
     assert finding["chapter"] == "05_log_off_the_hot_path"
     assert finding["cost"]["phases"] == ["io"]
 

@@ -1,32 +1,37 @@
 """``labkit doctor``: run a few iterations under every meter labkit has and report regressions.
 
 ``diagnose(stage_or_pipeline)`` warms the pipeline up off the clock, then runs ``iterations``
-timed iterations with its phase clock (where the time went: each finding's estimated cost);
-one under the sync meter with call sites (host reads by ``file:line``); and one eagerly
+timed iterations with its phase clock (where the time went: each finding's estimated cost;
+the samples stay in the report, so a plant's times can be set against the clean stage's with
+their spread, :func:`~labkit.doctor.report.compare_times`); one under the sync meter with call
+sites (host reads by ``file:line``, device reads apart from host-scalar reads); and one eagerly
 (``force_eager``, so compiled code is seen too) under a ``TorchFunctionMode`` that counts, by
-call site, tensor factories, host-to-device copies, clones and the model's layers. What it
-counts is the code's own calls: a clone that torch makes inside a compiled graph or an
-optimizer is torch's business, and differs between torch versions. Between iterations it
-snapshots memory (live tensors, the tensors each component holds, RSS, CUDA memory); around
-them it reads dynamo's counters (graphs compiled after warmup, graph breaks, with dynamo's
-reasons).
+call site, tensor factories, host-to-device copies, clones and the model's layers, and counts
+the kernels each ``optimizer.step()`` would launch on a GPU. What it counts is the code's own
+calls: a clone that torch makes inside a compiled graph or an optimizer is torch's business,
+and differs between torch versions. Between iterations it snapshots memory (live tensors, the
+tensors each component holds, RSS, CUDA memory); around them it reads dynamo's counters (graphs
+compiled after warmup, graph breaks, with dynamo's reasons).
 
 A stage with CUDA graphs (``labkit.executors.Graphed``) is diagnosed :func:`without_graphs`,
 and the report's first line says so: a graph replays exactly the ops of the eager step it
-captured but hides them from the profiler, and a host read inside it fails the capture.
+captured but hides them from the profiler, and a device read inside it fails the capture.
 
 Findings are judged against what the stage is meant to do, never against zero:
 
-* ``host_read``: a read of tensor data on the host, by component. A read on a line marked
-  ``# ... deliberate ...`` that runs at most once per iteration is accepted (the device
-  metrics' one ``.tolist()`` per update).
+* ``host_read``: a **device read** (a read on the host of a tensor that lives on the device:
+  a sync on a GPU), by component. A read on a line marked ``# ... deliberate ...`` that runs at
+  most once per iteration is accepted (the device metrics' one ``.tolist()`` per update). A
+  host-scalar read (a tensor that lives on the CPU in a GPU run too: a non-fused Adam's step
+  counters) waits for no GPU: it is counted in the report, never a finding.
 * ``cpu_allocation``: a tensor factory in labkit or user code without ``device=`` (on a CPU
   run: a CPU tensor on a GPU) or making a CPU tensor on a CUDA run (pinned buffers excepted),
   and on CUDA every host-to-device copy.
 * ``memory_growth``: tensors a component holds, or alive at all, growing every iteration.
 * ``excess_ops``: more clones or model work (convolutions, linear layers, matmuls) called
   from labkit or user code per step or per minibatch than the clean ladder stage of the same
-  index calls at the same N and T.
+  index calls at the same N and T; or more kernel launches per optimizer step (a
+  per-parameter optimizer where the clean stage's is fused).
 * ``recompile`` / ``graph_break``: graphs compiled after warmup, graph breaks, or a compiled
   step that fails to compile (``fullgraph=True`` turns a graph break into an error).
 * ``precision``: fp32 where the clean stage of the same index uses bf16 or fp16 on this device.
@@ -34,7 +39,8 @@ Findings are judged against what the stage is meant to do, never against zero:
   say), with the labkit-or-user frames it came through; the rest is not measured.
 
 Each finding has ``evidence``, a ``cost`` (the time of the phases its component runs in, per
-iteration: an upper bound) and the ``chapter`` whose notebook teaches the fix.
+iteration: an upper bound; for launches, the extra launches per update, whose time is a GPU's
+and is not claimed) and the ``chapter`` whose notebook teaches the fix.
 """
 from __future__ import annotations
 
@@ -56,7 +62,9 @@ from .findings import (
     error_finding,
     excess_findings,
     is_deliberate,
+    launch_findings,
     memory_findings,
+    optimizer_kind,
     precision_findings,
     site_findings,
     without_graphs,
@@ -82,15 +90,16 @@ def _baseline_ops(twin: Stage, cfg: RunConfig, device: torch.device) -> tuple[di
     return _BASELINES[key]
 
 
-def diagnose(target: Pipeline | Stage | int | str, iterations: int = 2,
+def diagnose(target: Pipeline | Stage | int | str, iterations: int = 5,
              cfg: RunConfig | None = None, device: torch.device | str = "auto",
              baseline: bool = True) -> Report:
     """Diagnose a pipeline, or a stage (built at ``cfg``, default N=16, T=16, on ``device``).
 
     A pipeline is left in the state it had (its ``state_dict`` is restored); one that replays
     CUDA graphs is diagnosed as a fresh pipeline :func:`without_graphs` that loads its state.
-    ``baseline``: compare op counts with the clean ladder stage of the same index (built once
-    per process and size); without it there are no ``excess_ops`` findings."""
+    ``iterations``: timed iterations (at least 2; 5 by default, enough for a min, median and
+    max). ``baseline``: compare op counts with the clean ladder stage of the same index (built
+    once per process and size); without it there are no ``excess_ops`` findings."""
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 2:
         raise ValueError(f"iterations must be an int >= 2, got {iterations!r}")
     if isinstance(target, Pipeline):
@@ -181,18 +190,26 @@ def _judge(pipe: Pipeline, m: Measurements, report: Report, iterations: int,
     phase_ms = {k: round(statistics.median(p.get(k, 0.0) for p in m.phases), 3)
                 for k in {k for p in m.phases for k in p}}
     report.iteration_s = it_ms / 1e3
+    report.iteration_s_samples = [round(t, 6) for t in m.times]
     report.phase_ms = phase_ms
     report.memory = {"live_tensors": [s["live_tensors"] for s in m.snaps],
                      "rss_mb": [round(s["rss_mb"], 1) for s in m.snaps if s["rss_mb"]]}
     if device.type == "cuda":
         report.memory["cuda_mb"] = [round(s["cuda_mb"], 2) for s in m.snaps]
 
+    # A sync is a device read: a host-scalar read (a CPU tensor in a GPU run too) is no finding.
     findings, accepted = site_findings(
-        "host_read", {"host read": (m_roll.sites, m_learn.sites)}, cfg, parts, phase_ms, it_ms,
-        accept=lambda site, n: n <= 1 and is_deliberate(site))
-    report.host_reads = {"per_step": round(m_roll.host_reads / n_steps, 3),
-                         "per_update": m_learn.host_reads,
-                         "by_kind": dict(m_roll.counts + m_learn.counts), "accepted": accepted}
+        "host_read", {"host read": (m_roll.device_sites, m_learn.device_sites)}, cfg, parts,
+        phase_ms, it_ms, accept=lambda site, n: n <= 1 and is_deliberate(site))
+    report.host_reads = {
+        "per_step": round(m_roll.host_reads / n_steps, 3), "per_update": m_learn.host_reads,
+        "by_kind": dict(m_roll.counts + m_learn.counts), "accepted": accepted,
+        "device": {"per_step": round(m_roll.device_reads / n_steps, 3),
+                   "per_update": m_learn.device_reads,
+                   "by_kind": dict(m_roll.device_counts + m_learn.device_counts)},
+        "host_scalar": {"per_step": round(m_roll.host_scalar_reads / n_steps, 3),
+                        "per_update": m_learn.host_scalar_reads,
+                        "by_kind": dict(m_roll.host_scalar_counts + m_learn.host_scalar_counts)}}
     findings += site_findings(
         "cpu_allocation", {label: (m.watch[0].get(key, Counter()), m.watch[1].get(key, Counter()))
                            for key, label in ALLOCATIONS.items()},
@@ -202,6 +219,8 @@ def _judge(pipe: Pipeline, m: Measurements, report: Report, iterations: int,
     if baseline:
         base = m.watch if pipe.stage == twin else _baseline_ops(twin, cfg, device)
         findings += excess_findings(m.watch, base, cfg, parts, phase_ms, it_ms)
+        findings += launch_findings(m.watch, base, parts,
+                                    optimizer_kind(pipe.optimizer, device))
     findings += compile_findings(m, parts, phase_ms, it_ms, iterations)
     findings += precision_findings(pipe, twin, parts, phase_ms, it_ms)
 

@@ -263,7 +263,8 @@ def site_findings(kind: str, sites: dict[str, tuple[Counter, Counter]], cfg: Run
                    accept: Callable[[str, int], bool] = lambda site, n: False
                    ) -> tuple[list[Finding], dict]:
     """One finding per slot of the call sites in ``sites`` ({what: (rollout sites, learn
-    sites)}; ``what`` labels each row when there are several), and the sites accepted."""
+    sites)}; ``what`` labels each row when there are several), and the sites accepted. For
+    ``host_read`` the sites are the sync meter's ``device_sites``: device reads only."""
     by_slot: dict[str, list[dict]] = defaultdict(list)
     accepted = {}
     for what, (roll, learn) in sites.items():
@@ -281,13 +282,14 @@ def site_findings(kind: str, sites: dict[str, tuple[Counter, Counter]], cfg: Run
                 chapter, fix = _FINITE_CHECK
             what = []
             if per_step:
-                what.append(f"{per_step:g} host read{'s' if per_step != 1 else ''} per rollout "
-                            "step" + (" (a per-element loop: N or more)"
-                                      if per_step >= cfg.n_envs else ""))
+                what.append(f"{per_step:g} device read{'s' if per_step != 1 else ''} per "
+                            "rollout step")
             if per_update:
                 what.append(f"{per_update} per update" if per_step else
-                            f"{per_update} host read{'s' if per_update != 1 else ''} per update")
-            summary = ", ".join(what)
+                            f"{per_update} device read{'s' if per_update != 1 else ''} per "
+                            "update")
+            loop = "; a per-element loop: N or more" if per_step >= cfg.n_envs else ""
+            summary = ", ".join(what) + f" (a sync each on a GPU{loop})"
         else:
             chapter, fix = _CPU_ALLOC_FIX
             summary = f"{' and '.join(sorted({r['what'] for r in rows}))}: " \
@@ -373,6 +375,54 @@ def excess_findings(watch: tuple[dict, dict], base: tuple[dict, dict], cfg: RunC
             f"vs {first[1]['clean stage']:g}",
             {"ops": excess, "sites": rows[:6]}, _cost(slot, phase_ms, it_ms), chapter, fix))
     return findings
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer, device: torch.device) -> str:
+    """How an optimizer steps its parameters, in words: fused, multi-tensor or per-parameter
+    (``foreach=None`` is torch's choice: multi-tensor on CUDA, per-parameter on the CPU)."""
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    name = type(optimizer).__name__
+    if group.get("fused"):
+        return f"fused {name}"
+    foreach = group.get("foreach")
+    if foreach is None:
+        foreach = device.type == "cuda"
+        return f"multi-tensor {name}, foreach=None" if foreach else \
+            f"per-parameter {name}, foreach=None"
+    return f"multi-tensor {name}, foreach=True" if foreach else \
+        f"per-parameter {name}, foreach=False"
+
+
+def launch_findings(watch: tuple[dict, dict], base: tuple[dict, dict], parts: Parts,
+                    kind: str) -> list[Finding]:
+    """``excess_ops`` of the optimizer: kernel launches per ``optimizer.step()`` (what
+    :func:`~labkit.doctor.meters.step_launches` counted in the watched update) against the clean
+    stage's. On a GPU a per-parameter optimizer costs a launch per op per parameter where a
+    fused one launches a few for all of them; the time of a launch is the GPU's and is not
+    measured here, so the finding states launches, not a share of the iteration. ``kind`` says
+    how the optimizer steps (:func:`optimizer_kind`)."""
+    mine, clean = watch[1], base[1]
+    steps = sum(mine.get("optimizer_step", Counter()).values())
+    clean_steps = sum(clean.get("optimizer_step", Counter()).values())
+    if not steps or not clean_steps:
+        return []
+    a = sum(mine.get("launch", Counter()).values()) / steps
+    b = sum(clean.get("launch", Counter()).values()) / clean_steps
+    if a - b < 1 or a < 1.2 * b:
+        return []
+    a, b = round(a, 2), round(b, 2)
+    chapter, fix = parts.fix("optimizer")
+    top = ", ".join(f"{op} {n / steps:g}" for op, n in mine["launch"].most_common(6))
+    sites = [{"site": site, "per_step": 0, "per_update": n}
+             for site, n in mine["optimizer_step"].most_common()]
+    return [Finding(
+        "excess_ops", parts.describe("optimizer"),
+        f"{a:g} kernel launches per optimizer step vs {b:g} in the clean stage ({kind})",
+        {"ops": {"kernel launches per optimizer step": {"this stage": a, "clean stage": b}},
+         "launches_by_op": top, "optimizer": kind, "steps_per_update": steps, "sites": sites},
+        {"phases": [], "ms_per_iteration": None, "share": None,
+         "extra_launches_per_update": round((a - b) * steps)},
+        chapter, fix)]
 
 
 def error_finding(err: Exception, parts: Parts, phase: str) -> Finding:

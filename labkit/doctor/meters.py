@@ -1,12 +1,15 @@
 """What the doctor measures besides time: calls by site under a function watch (tensor
-factories, copies, clones, the model's layers), host reads by call site, memory held and alive,
-and dynamo's counters; :class:`Measurements` holds one diagnosis' worth."""
+factories, copies, clones, the model's layers), the kernels each optimizer step launches, host
+reads by call site (device reads apart from host-scalar reads), memory held and alive, and
+dynamo's counters; :class:`Measurements` holds one diagnosis' worth."""
 from __future__ import annotations
 
 import gc
 import os
 import sys
 from collections import Counter, defaultdict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from ..device import synchronize
+from ..measure.profiling import launches
 from ..measure.syncmeter import SyncMeter, call_site
 from ..stages import Pipeline
 
@@ -87,22 +91,55 @@ class Watch(TorchFunctionMode):
 
 
 def watched(pipe: Pipeline) -> tuple[dict, dict]:
-    """One iteration run eagerly under :class:`Watch`: (rollout counts, learn counts)."""
+    """One iteration run eagerly under :class:`Watch`: (rollout counts, learn counts). The
+    learn counts also hold what each ``optimizer.step()`` launches (:func:`step_launches`):
+    ``optimizer_step`` (calls, by call site) and ``launch`` (kernel launches, by aten op)."""
     with torch.compiler.set_stance("force_eager"):
         with Watch(pipe.device) as w_roll:
             batch = pipe.rollout()
-        with Watch(pipe.device) as w_learn:
+        with Watch(pipe.device) as w_learn, step_launches(pipe.optimizer) as launched:
             pipe.learn(batch)
     synchronize(pipe.device)
+    w_learn.counts.update(launched)
     return w_roll.counts, w_learn.counts
 
 
+@contextmanager
+def step_launches(optimizer: torch.optim.Optimizer) -> Iterator[dict[str, Counter]]:
+    """Count, while the block runs, the ops each ``optimizer.step()`` would launch as GPU
+    kernels (:func:`labkit.measure.profiling.launches`: non-view ops whose result lives on the
+    device, by the sync meter's data flow, so the CPU step counters of a non-fused Adam are
+    not launches): ``{"optimizer_step": {call site: calls}, "launch": {aten op: launches}}``.
+    The count is the same on the CPU and on a GPU: a per-parameter optimizer launches its ops
+    once per parameter, a fused one a few for all of them."""
+    found: dict[str, Counter] = {"optimizer_step": Counter(), "launch": Counter()}
+    step = optimizer.step  # the instance's bound method (torch's hooks included)
+
+    def counted_step(*args: Any, **kwargs: Any) -> Any:
+        out = []
+        found["launch"].update(launches(lambda: out.append(step(*args, **kwargs))))
+        found["optimizer_step"][call_site(1)] += 1
+        return out[0]
+
+    own = vars(optimizer).get("step")  # an LR scheduler may have wrapped it on the instance
+    optimizer.step = counted_step
+    try:
+        yield found
+    finally:
+        if own is None:
+            del optimizer.step  # back to the class's method
+        else:
+            optimizer.step = own
+
+
 def metered(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter]:
-    """One iteration under the sync meter, with call sites: (rollout meter, learn meter)."""
-    with SyncMeter(call_sites=True) as m_roll:
+    """One iteration under the sync meter, with call sites: (rollout meter, learn meter). Each
+    tells device reads (a sync on a GPU) from host-scalar reads: by the tensor's device on a
+    GPU run, by the data flow on a CPU run, so the counts are the same."""
+    with SyncMeter(call_sites=True, device=pipe.device) as m_roll:
         batch = pipe.rollout()
     synchronize(pipe.device)
-    with SyncMeter(call_sites=True) as m_learn:
+    with SyncMeter(call_sites=True, device=pipe.device) as m_learn:
         pipe.learn(batch)
     synchronize(pipe.device)
     return m_roll, m_learn

@@ -9,7 +9,7 @@ the way the bug looked in the report that found it, so chapter 10 can hunt them 
 plant                  slot       the bug, and the report that found it
 =====================  =========  ========================================================
 ``item_in_logging``    logger     ``.item()`` on each value before logging (journey report)
-``unfused_adam``       optimizer  Adam without ``fused=True`` (journey and GRPO reports)
+``unfused_adam``       optimizer  per-parameter Adam, not fused (journey and GRPO reports)
 ``nan_checks``         collector  unconditional ``isnan(x).any()`` checks (trace report)
 ``per_item_loop``      metrics    a Python loop with ``.item()`` per element (trainer2 report)
 ``cpu_tensor``         metrics    ``torch.zeros(n)`` without ``device=`` in the loop (GRPO)
@@ -54,9 +54,10 @@ from ..update import Adam
 class ItemLogger(AsyncLogger):
     """The async logger, with one "harmless" line added: each tensor is turned into a Python
     number before it is queued. That ``.item()`` runs in the training loop, once per step for
-    the reward and once per update statistic: the host reads the async logger exists to move
-    off the hot path come back. The journey report found exactly this in its logging: an
-    ``.item()`` on the step's mean reward inside the log call, a full GPU sync per step."""
+    the reward and once per update statistic: the device reads (a sync each on a GPU) that the
+    async logger exists to move off the hot path come back. The journey report found exactly
+    this in its logging: an ``.item()`` on the step's mean reward inside the log call, a full
+    GPU sync per step."""
 
     def log(self, step: int, **values: Any) -> None:
         for key, value in values.items():
@@ -71,11 +72,15 @@ class ItemLogger(AsyncLogger):
 @dataclass(frozen=True, repr=False)
 class UnfusedAdam(Adam):
     """Adam without ``fused=True``: labkit's own :class:`labkit.update.Adam` of stages 0-6,
-    back in the final stage (the plant changes no line of it). torch's default multi-tensor
-    Adam keeps each parameter's step counter on the CPU and reads it with ``.item()`` on every
-    step, so 10 parameters x 16 minibatch steps are 160 host reads per update; its float LR
-    and ``clip_grad_norm_`` come back too. The journey report counted 384 such round trips per
-    update before ``fused=True``; the GRPO report switched to fused AdamW."""
+    back in the final stage (the plant changes no line of it). It is ``foreach=False``: it
+    steps one parameter at a time, so on a GPU each step launches its handful of kernels once
+    per parameter, where fused Adam launches a couple for all of them; its float LR and
+    ``clip_grad_norm_`` come back too. It also reads each parameter's step counter with
+    ``.item()`` every step, but torch keeps those counters on the CPU on every device: a
+    host-scalar read costs Python time and never waits for the GPU. The journey report called
+    its non-fused Adam's ``.item()`` calls "384 CPU round-trips per update"; a read of a CPU
+    counter makes no round trip to the GPU: what ``fused=True`` removes on a GPU is launches,
+    and the Python time of those reads. The GRPO report switched to fused AdamW."""
 
 
 # ---------------------------------------------------------------------------- collector
@@ -157,7 +162,9 @@ class CpuBufferEpisodeStats(DeviceEpisodeStats):
 class HistoryEpisodeStats(DeviceEpisodeStats):
     """The device metrics, also keeping every step's returns and lengths "for later analysis"
     in a list that nothing ever clears: memory grows by T tensors per iteration, forever. The
-    trace report's run grew by 4.3 GB of CPU memory, from callback data accumulating."""
+    trace report's run grew by 4.3 GB of CPU memory; it listed callback data accumulating as
+    one possible cause among several and said the source still had to be found. A list like
+    this one is that kind of source, and counting what each component holds finds it."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
@@ -201,14 +208,16 @@ class TwiceAgent(Agent):
 
 
 class BranchyValueHead(PopArtValueHead):
-    """One value head for both cases, chosen by a flag and checked in the hot path: normalize
-    once there are statistics. The journey report's branch on whether PopArt was on, in its
-    inner loop, cost it 1.5x: the compiler had to handle both paths. Here the branch reads a
-    tensor (PopArt's update count): eagerly, a host read per call; compiled with
-    ``fullgraph=True``, as labkit compiles, a graph break, which is an error instead of a
-    silent fallback to eager. The fix is labkit's: one interface (``get_training_value``,
-    ``prepare_targets``, ``denormalize``) that each head implements without asking which head
-    it is."""
+    """One value head for both cases, chosen in the hot path: normalize once there are
+    statistics. The journey report's inner loop branched on a Python flag (whether PopArt was
+    on) and the report measured 1.5x. A branch on a Python flag is no graph break: dynamo
+    guards the flag and specialises the graph to its value (a recompile, at most, when the
+    value changes), so the compiler never handles both paths in one graph. This plant is a
+    different, stronger case: it branches on a tensor (PopArt's update count), so eagerly it is
+    a device read per call, and compiled it is a graph break and a host read; with
+    ``fullgraph=True``, as labkit compiles, an error instead of a silent fallback to eager.
+    The fix is labkit's: one interface (``get_training_value``, ``prepare_targets``,
+    ``denormalize``) that each head implements without asking which head it is."""
 
     def __init__(self, in_features: int = HIDDEN, use_popart: bool = True) -> None:
         super().__init__(in_features)
@@ -294,7 +303,7 @@ class Plant:
 
 PLANTS: dict[str, Plant] = {p.name: p for p in (
     Plant("item_in_logging", "logger", ItemLogger, AsyncLogger, "host_read", "journey"),
-    Plant("unfused_adam", "optimizer", UnfusedAdam(), Adam, "host_read", "journey, GRPO"),
+    Plant("unfused_adam", "optimizer", UnfusedAdam(), Adam, "excess_ops", "journey, GRPO"),
     Plant("nan_checks", "collector", NanCheckingCollector, DeviceCollector, "host_read",
           "trace"),
     Plant("per_item_loop", "metrics", ItemLoopEpisodeStats, DeviceEpisodeStats, "host_read",
