@@ -580,7 +580,7 @@ def _add_doctor(sub) -> None:
                     "chapter with the fix. Exit 0 without findings, 1 with, 2 on a usage error.")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     _add_stage_flags(p, "fused_amp", "0-8 or a name", **DOCTOR_RUN)
-    p.add_argument("--iterations", type=_int_at_least(2, 10_000), default=2,
+    p.add_argument("--iterations", type=_int_at_least(2, 10_000), default=5,
                    help="timed iterations, 2 to 10,000 (default: %(default)s)")
     p.add_argument("--json", action="store_true", help='print {"findings": [...], ...}')
     p.set_defaults(func=cmd_doctor)
