@@ -15,17 +15,14 @@ import torch
 from labkit.app import cli
 from labkit.app.record import (
     PART_BUDGET_MIN,
-    README_BEGIN,
-    README_END,
-    RecordError,
     commands,
     estimates,
     format_plan,
     plan,
-    readme_section,
     record,
-    results_markdown,
 )
+from labkit.app.report import README_BEGIN, README_END, readme_section, results_markdown
+from labkit.app.results import RecordError
 
 ROOT = Path(__file__).parents[1]
 
