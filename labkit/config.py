@@ -10,13 +10,23 @@ import inspect
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 from .envs.spec import ForageSpec, check_n_envs, check_seed
 from .policy import VALUE_HEADS
 from .ppo import PPOConfig
 from .validate import check_int, check_type
 
+if TYPE_CHECKING:
+    import torch
+
 PROFILES = ("quick", "full", "tiny")
+
+
+def default_profile(device: torch.device) -> str:
+    """The profile a command measures with when none is named: ``full`` on CUDA, ``quick``
+    elsewhere (the full profile's sizes take minutes per stage on a CPU)."""
+    return "full" if device.type == "cuda" else "quick"
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """How a step runs: eagerly, compiled, or captured once and replayed as a CUDA graph.
 
-A stage has two executor slots, ``rollout`` and ``update``, and both take the same executors.
-An executor only wraps functions it is handed; the code that calls them never changes
-(LeanRL's ``update = torch.compile(update)``, then ``CudaGraphModule(update)``):
+A stage has two executor slots, ``rollout_executor`` and ``update_executor``, and both take the
+same executors: anything that offers :class:`Executor`. An executor only wraps functions it is
+handed; the code that calls them never changes (LeanRL's ``update = torch.compile(update)``,
+then ``CudaGraphModule(update)``):
 
 * ``wrap_model(fn)`` wraps the model math: the policy network in the rollout, the PPO loss
   (forward, and through autograd its backward) in the update.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -39,6 +40,21 @@ def _tf32_choice_made() -> None:
 _tf32_choice_made()
 
 
+@runtime_checkable
+class Executor(Protocol):
+    """What an executor slot's value offers: what it ``requires`` of the device, and the two
+    wrappers the pipeline and :func:`labkit.update.build_update` call."""
+
+    @property
+    def requires(self) -> tuple[str, ...]: ...
+
+    def wrap_model(self, fn: Any) -> Any: ...
+
+    def wrap_step(self, step: Callable, *, state: Stateful,
+                  generator: torch.Generator | None = None,
+                  after_replay: Callable[[], object] | None = None) -> Callable: ...
+
+
 @dataclass(frozen=True)
 class Eager:
     """Run everything as written: one Python call, one kernel launch per op."""
@@ -50,10 +66,6 @@ class Eager:
 
     def wrap_model(self, fn: Any) -> Any:
         return fn
-
-    def wrap_env(self, env: Any) -> Any:
-        """The env as the rollout steps it (compiled executors may compile its step)."""
-        return env
 
     def wrap_step(self, step: Callable, *, state: Stateful,
                   generator: torch.Generator | None = None,
@@ -85,14 +97,6 @@ class Compiled(Eager):
 
         return call
 
-    def wrap_env(self, env: Any) -> Any:
-        """Compile the env's step too where its class says compiling pays on this device type
-        (``compile_step_on``, a fixed default backed by a recorded ``bench-env --compiled``)."""
-        device = getattr(env, "device", None)  # host envs (NumPy, Python) have none
-        if device is not None and device.type in getattr(env, "compile_step_on", ()):
-            env.step = torch.compile(env.step, fullgraph=True)
-        return env
-
 
 @dataclass(frozen=True)
 class Graphed:
@@ -102,7 +106,7 @@ class Graphed:
     bf16 autocast, while fp16 brings a GradScaler whose step skipping would have to be captured
     as well (with an unfused optimizer it even reads the host)."""
 
-    base: Eager = Eager()
+    base: Executor = Eager()
     requires: tuple[str, ...] = ("cuda",)
 
     def __repr__(self) -> str:
@@ -111,9 +115,6 @@ class Graphed:
 
     def wrap_model(self, fn: Any) -> Any:
         return self.base.wrap_model(fn)
-
-    def wrap_env(self, env: Any) -> Any:  # the captured rollout step includes the env's step
-        return self.base.wrap_env(env)
 
     def wrap_step(self, step: Callable, *, state: Stateful,
                   generator: torch.Generator | None = None,

@@ -175,9 +175,10 @@ def fused_clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> to
     the grads are always multiplied (by 1 when not clipping) instead of branching on the norm.
     Returns the total norm before clipping.
     """
+    params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
+    if not grads:  # nothing to clip: a zero norm where the parameters live
+        return torch.zeros((), device=params[0].device if params else None)
     total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     torch._foreach_mul_(grads, coef)

@@ -16,8 +16,10 @@ slot                  what it decides
 ``update_executor``   how the loss and each minibatch step execute (eager/compiled/graphed)
 ====================  ======================================================================
 
-Nothing outside a component asks which stage it is in; a component that needs something of the
-device (CUDA, bf16) says so in ``requires``, and a stage's ``skip_reason`` is derived from that.
+A stage also names the ``chapter`` (notebook) that teaches it, and :data:`DEFAULT_STAGE` which
+stage a run uses when none is named. Nothing outside a component asks which stage it is in; a
+component that needs something of the device (CUDA, bf16) says so in ``requires``, and a
+stage's ``skip_reason`` is derived from that.
 ``Stage.check`` is the one refusal path: it raises ``StageSkipped`` for a device the stage cannot
 run on or a run that does not fit, and every command, the pipeline and the harness call it.
 ``Pipeline`` assembles a stage into one training iteration (rollout of T steps x N envs, GAE,
@@ -26,11 +28,11 @@ PPO update) and owns its whole state. Every stage runs the same Forage dynamics 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -39,12 +41,12 @@ from .config import RunConfig, memory_shortfall
 from .device import has_bf16, resolve_device
 from .distributed import SINGLE, Group
 from .envs import ForageNumpy, ForagePyList, ForageTorch, ForageTorchLoop
-from .executors import Compiled, Eager, Graphed
+from .executors import Compiled, Eager, Executor, Graphed
 from .logging import AsyncLogger, SyncLogger
 from .metrics import DeviceEpisodeStats, EagerEpisodeStats
 from .policy import Agent, sample_action
-from .ppo import Batch, annealed_lr, gae
-from .precision import Fp32, amp, fp32
+from .ppo import Batch, PPOConfig, annealed_lr, gae
+from .precision import Precision, amp, fp32
 from .rollout import DeviceCollector, HostBatchedCollector, PerEnvCollector, Rollout
 from .timing import PhaseClock
 from .update import Adam, FusedAdam, build_update
@@ -57,37 +59,75 @@ REQUIREMENTS = {
 }
 
 
+@runtime_checkable
+class OptimizerComponent(Protocol):
+    """What the optimizer slot's value offers (:class:`labkit.update.Adam`, ``FusedAdam``): it
+    builds the optimizer, and owns how its LR is set and read and how its gradients are
+    clipped, so the loop never asks which optimizer it has."""
+
+    @property
+    def requires(self) -> tuple[str, ...]: ...
+
+    def __call__(self, *, params: Iterable[torch.Tensor], cfg: PPOConfig,
+                 device: torch.device) -> torch.optim.Optimizer: ...
+
+    def clip_grad(self, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor: ...
+
+    def set_lr(self, optimizer: torch.optim.Optimizer, lr: float) -> None: ...
+
+    def lr(self, optimizer: torch.optim.Optimizer) -> float | torch.Tensor: ...
+
+
+@runtime_checkable
+class PrecisionComponent(Protocol):
+    """What the precision slot's value offers (:class:`labkit.precision.Fp32`, ``Amp``,
+    ``Bf16``): built on a device, the :class:`labkit.precision.Precision` the update calls."""
+
+    @property
+    def requires(self) -> tuple[str, ...]: ...
+
+    def __call__(self, device: torch.device) -> Precision: ...
+
+
 @dataclass(frozen=True)
 class Stage:
-    """One rung of the ladder: which component fills each slot. The pipeline builds each one
-    with keywords, the slot's whole interface:
+    """One rung of the ladder: which component fills each slot, and the ``chapter`` (the
+    notebook in ``notebooks/``) that teaches it. The pipeline builds each slot with keywords,
+    the slot's whole interface:
 
     * ``env(n_envs=, spec=, seed=, device=, env_offset=)``, ``model(view=, value_head=)``,
       ``collector(env=, n_steps=, act=, metrics=, device=, clock=)`` (its ``accepts`` names
-      the envs it can step), ``logger(target=)``, ``metrics(device=)``;
-    * ``optimizer(params=, cfg=, device=)``, which also owns ``set_lr``, ``lr`` and
-      ``clip_grad``; ``precision(device=)`` -> a :class:`labkit.precision.Precision`;
-    * ``rollout`` and ``update``: executors (``wrap_model``, ``wrap_step``).
+      the envs it can step), ``logger(target=)``, ``metrics(device=)``: classes;
+    * ``optimizer``: an :class:`OptimizerComponent`, ``optimizer(params=, cfg=, device=)``,
+      which also owns ``set_lr``, ``lr`` and ``clip_grad``;
+    * ``precision``: a :class:`PrecisionComponent`, ``precision(device=)`` -> a
+      :class:`labkit.precision.Precision`;
+    * ``rollout_executor`` and ``update_executor``: each an
+      :class:`labkit.executors.Executor` (``wrap_model``, ``wrap_step``).
 
     What a component ``requires`` of the device becomes the stage's skip reason."""
 
     index: int
     name: str
     lesson: str
+    chapter: str
     env: type = ForagePyList
     model: type = Agent
     collector: type = PerEnvCollector
     logger: type = SyncLogger
     metrics: type = EagerEpisodeStats
-    optimizer: Adam = Adam()
-    precision: Fp32 = fp32
-    rollout_executor: Eager | Graphed = Eager()
-    update_executor: Eager | Graphed = Eager()
+    optimizer: OptimizerComponent = Adam()
+    precision: PrecisionComponent = fp32
+    rollout_executor: Executor = Eager()
+    update_executor: Executor = Eager()
+
+    #: The fields that say what the stage is, not what fills a slot.
+    LABELS: ClassVar[tuple[str, ...]] = ("index", "name", "lesson", "chapter")
 
     def components(self) -> dict[str, Any]:
         """The slots and what fills them."""
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("index", "name", "lesson")}
+                if f.name not in self.LABELS}
 
     def skip_reason(self, device: torch.device) -> str | None:
         """Why this stage cannot run on ``device`` (None if it can), from its components: what
@@ -119,23 +159,28 @@ class Stage:
 
 
 def _ladder() -> tuple[Stage, ...]:
-    s0 = Stage(0, "python_loop", "naive baseline: per-env objects, forwards and .item()")
+    s0 = Stage(0, "python_loop", "naive baseline: per-env objects, forwards and .item()",
+               chapter="01_the_python_loop")
     s1 = replace(s0, index=1, name="numpy_vec", lesson="vectorize: NumPy envs, one forward",
+                 chapter="02_vectorize_with_numpy",
                  env=ForageNumpy, collector=HostBatchedCollector)
     s2 = replace(s1, index=2, name="torch_state", lesson="GPU state alone is not enough",
+                 chapter="03_tensors_on_the_device",
                  env=ForageTorchLoop, collector=DeviceCollector)
     s3 = replace(s2, index=3, name="batched_ops", lesson="batch everything: a vectorized step",
-                 env=ForageTorch)
+                 chapter="04_batch_everything", env=ForageTorch)
     s4 = replace(s3, index=4, name="async_logging", lesson="log off the hot path",
-                 logger=AsyncLogger)
+                 chapter="05_log_off_the_hot_path", logger=AsyncLogger)
     s5 = replace(s4, index=5, name="compile_warmup", lesson="compile, and warm up off the clock",
+                 chapter="06_compile_and_warm_up",
                  rollout_executor=Compiled(), update_executor=Compiled())
     s6 = replace(s5, index=6, name="gpu_metrics", lesson="aggregate metrics on the device",
-                 metrics=DeviceEpisodeStats)
+                 chapter="07_metrics_on_the_device", metrics=DeviceEpisodeStats)
     s7 = replace(s6, index=7, name="fused_amp", lesson="fused Adam and grad clip, mixed precision",
-                 optimizer=FusedAdam(), precision=amp)
+                 chapter="08_fused_optimizers_and_amp", optimizer=FusedAdam(), precision=amp)
     s8 = replace(s7, index=8, name="cuda_graphs",
                  lesson="replay rollout step and update as CUDA graphs",
+                 chapter="09_cuda_graphs",
                  optimizer=FusedAdam(capturable=True),
                  rollout_executor=Graphed(s7.rollout_executor),
                  update_executor=Graphed(s7.update_executor, requires=("cuda", "bf16")))
@@ -144,6 +189,23 @@ def _ladder() -> tuple[Stage, ...]:
 
 STAGES: tuple[Stage, ...] = _ladder()
 STAGE_NAMES = tuple(s.name for s in STAGES)
+
+#: The stage a run uses when none is named, by device type: the fastest on that device in its
+#: recorded ladder (``results/ladder_<device>_*.json``; a test holds this to those files), not
+#: measured at start-up. The CPU's is ``results/ladder_cpu_quick.json``'s fastest. No GPU
+#: ladder is recorded yet: on CUDA, the last stage that runs on every GPU (``cuda_graphs``
+#: needs bf16).
+DEFAULT_STAGE: dict[str, str] = {"cpu": "numpy_vec", "cuda": "fused_amp"}
+
+
+def default_stage(device: torch.device) -> str:
+    """The name of the stage a run on ``device`` uses when none is named (:data:`DEFAULT_STAGE`)."""
+    return DEFAULT_STAGE[device.type]
+
+
+def describe_choices() -> str:
+    """How a stage may be named, for help texts and errors: "0-8 or a name (python_loop, ...)"."""
+    return f"0-{len(STAGES) - 1} or a name ({', '.join(STAGE_NAMES)})"
 
 
 def get_stage(key: Stage | int | str) -> Stage:
@@ -156,8 +218,7 @@ def get_stage(key: Stage | int | str) -> Stage:
         if (isinstance(key, int) and not isinstance(key, bool) and key == s.index) \
                 or key == s.name:
             return s
-    raise ValueError(f"stage must be one of 0-{len(STAGES) - 1} or {', '.join(STAGE_NAMES)}; "
-                     f"got {key!r}")
+    raise ValueError(f"stage must be one of {describe_choices()}; got {key!r}")
 
 
 @dataclass
@@ -249,9 +310,8 @@ class Pipeline:
         self.log_dir = Path(log_dir)
         self.logger = stage.logger(target=self.log_dir / "steps.jsonl")
         self.metrics = stage.metrics(device=device)
-        env = stage.rollout_executor.wrap_env(stage.env(
-            n_envs=cfg.n_envs, spec=cfg.spec, seed=cfg.seed, device=device,
-            env_offset=group.env_offset(cfg.n_envs)))
+        env = stage.env(n_envs=cfg.n_envs, spec=cfg.spec, seed=cfg.seed, device=device,
+                        env_offset=group.env_offset(cfg.n_envs))
         self.policy = stage.rollout_executor.wrap_model(self.agent)
         self.collector = stage.collector(
             env=env, n_steps=cfg.n_steps, metrics=self.metrics, device=device, clock=self.clock,

@@ -462,13 +462,15 @@ def test_the_chapter_of_each_fix_comes_from_the_ladder():
     (or last changes the slot): moving a rung moves the advice with it."""
     from pathlib import Path
 
-    from labkit.doctor.findings import _COMPONENT_FIX, _SLOT_FIX, CHAPTERS, MEASURE_FIRST
+    from labkit.doctor.findings import _COMPONENT_FIX, _SLOT_FIX, MEASURE_FIRST
+    from labkit.rollout import HostBatchedCollector, PerEnvCollector
+    from labkit.stages import STAGES
 
     notebooks = {p.stem for p in (Path(__file__).parents[1] / "notebooks").glob("*.ipynb")}
-    assert {*CHAPTERS, MEASURE_FIRST} <= notebooks
+    assert {*(s.chapter for s in STAGES), MEASURE_FIRST} <= notebooks
     for slot, stage in (("logger", "async_logging"), ("metrics", "gpu_metrics"),
                         ("optimizer", "fused_amp"), ("env", "batched_ops"),
                         ("rollout_executor", "compile_warmup")):
-        assert _SLOT_FIX[slot][0] == CHAPTERS[get_stage(stage).index], slot
-    assert _COMPONENT_FIX["PerEnvCollector"][0] == CHAPTERS[get_stage("numpy_vec").index]
-    assert _COMPONENT_FIX["HostBatchedCollector"][0] == CHAPTERS[get_stage("torch_state").index]
+        assert _SLOT_FIX[slot][0] == get_stage(stage).chapter, slot
+    assert _COMPONENT_FIX[PerEnvCollector][0] == get_stage("numpy_vec").chapter
+    assert _COMPONENT_FIX[HostBatchedCollector][0] == get_stage("torch_state").chapter

@@ -10,6 +10,9 @@ import torch
 from labkit.envs import ForageNumpy, ForageSpec, ForageTorch
 from labkit.measure.envbench import (
     CROSSOVER_CASES,
+    STEP_PARTS,
+    _step_by_parts,
+    calls_of,
     crossings,
     crossover,
     crossover_lines,
@@ -18,6 +21,7 @@ from labkit.measure.envbench import (
     out_of_phase_steps,
     state_at,
     step_ops,
+    step_parts,
 )
 from labkit.measure.profiling import dispatch_ops
 
@@ -165,3 +169,56 @@ def test_a_step_preempted_in_one_round_does_not_move_the_figure():
     # 3 rounds of 4 steps; the 4th step ends episodes (5 s); one round's 2nd step was preempted
     rounds = [[1.0, 9.0, 1.0, 5.0], [1.0, 1.0, 1.0, 5.0], [1.0, 1.0, 1.0, 5.0]]
     assert _per_step(rounds) == 2.0  # (1 + 1 + 1 + 5) / 4
+
+
+def test_calls_of_counts_a_function_by_its_code_without_patching():
+    env = ForageNumpy(4, ForageSpec(), seed=0)
+    reset = ForageNumpy._new_episodes.__code__
+    a = np.zeros(4, dtype=np.int64)
+    env.load_state_dict(state_at(env, 127))
+    assert calls_of(reset, lambda: env.step(a)) == 1
+    assert calls_of(reset, lambda: env.step(a)) == 0  # mid-episode now: the reset is skipped
+    assert "_new_episodes" not in vars(env)
+
+
+@pytest.mark.parametrize("length", [128, 2])
+def test_the_step_timed_by_parts_is_forage_torch_step(length):
+    """step_parts times ForageTorch.step as written out in _step_by_parts: the same outputs and
+    state, step for step, over episode ends (2-step episodes make several placement passes)."""
+    spec = ForageSpec(episode_length=length)
+    ref = ForageTorch(6, spec, seed=3, final_obs=True)
+    timed_env = ForageTorch(6, spec, seed=3, final_obs=True)
+    called = []
+
+    def part(name, method, *args):
+        called.append(name)
+        return method(*args)
+
+    actions = torch.randint(0, 5, (length + 3, 6), generator=torch.Generator().manual_seed(0))
+    for a in actions:
+        want, got = ref.step(a), _step_by_parts(timed_env, a, part)
+        for w, g in zip(want[:4], got[:4], strict=True):
+            assert torch.equal(w, g)
+        assert want[4].keys() == got[4].keys()
+        for key in want[4]:
+            assert torch.equal(want[4][key], got[4][key]), key
+    for key, value in ref.state_dict().items():
+        assert torch.equal(value, timed_env.state_dict()[key]), key
+    assert set(called) == set(STEP_PARTS)
+
+
+def test_step_parts_times_every_part_and_patches_nothing():
+    env = ForageTorch(8, seed=1)
+    before = set(vars(env))
+    out = step_parts(env, steps=4)
+    assert set(vars(env)) == before
+    assert list(out["parts_s"]) == [*STEP_PARTS, "other"]
+    assert all(s > 0 for name, s in out["parts_s"].items() if name != "other")
+    assert sum(out["parts_s"].values()) == pytest.approx(out["step_s"])
+
+    class OwnStep(ForageTorch):
+        def step(self, actions):
+            return super().step(actions)
+
+    with pytest.raises(TypeError, match="OwnStep has its own"):
+        step_parts(OwnStep(8), steps=1)

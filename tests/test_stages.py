@@ -15,7 +15,17 @@ from labkit.measure.bench import measure_stage, run_ladder
 from labkit.measure.syncmeter import SyncMeter
 from labkit.ppo import PPOConfig
 from labkit.precision import Bf16, agrees, update_agreement
-from labkit.stages import STAGES, Pipeline, Stage, StageSkipped, get_stage
+from labkit.stages import (
+    DEFAULT_STAGE,
+    STAGE_NAMES,
+    STAGES,
+    Pipeline,
+    Stage,
+    StageSkipped,
+    default_stage,
+    describe_choices,
+    get_stage,
+)
 from labkit.timing import PHASES
 
 CPU = torch.device("cpu")
@@ -58,6 +68,77 @@ def test_a_stage_holds_components_only():
     for s in STAGES:
         for slot, part in s.components().items():
             assert not isinstance(part, bool), (s.name, slot)
+
+
+def test_each_stage_names_the_chapter_that_teaches_it():
+    """Stage i is taught in chapter i + 1, a notebook that exists; the chapter is no slot."""
+    notebooks = Path(__file__).parents[1] / "notebooks"
+    for s in STAGES:
+        assert s.chapter.startswith(f"{s.index + 1:02d}_"), (s.name, s.chapter)
+        assert (notebooks / f"{s.chapter}.ipynb").is_file(), s.chapter
+        assert "chapter" not in s.components()
+
+
+def test_slots_hold_what_their_protocols_ask_for():
+    """Each optimizer, precision and executor in the ladder offers its slot's Protocol; a
+    value that does not is told apart (the runtime check can fail)."""
+    from labkit.executors import Executor
+    from labkit.stages import OptimizerComponent, PrecisionComponent
+
+    protocols = {"optimizer": OptimizerComponent, "precision": PrecisionComponent,
+                 "rollout_executor": Executor, "update_executor": Executor}
+    for s in STAGES:
+        for slot, protocol in protocols.items():
+            assert isinstance(getattr(s, slot), protocol), (s.name, slot)
+    assert not isinstance(STAGES[7].precision, Executor)
+    assert not isinstance(STAGES[5].rollout_executor, OptimizerComponent)
+
+
+def _recorded_ladders(device_type: str) -> list[Path]:
+    return sorted((Path(__file__).parents[1] / "results").glob(f"ladder_{device_type}_*.json"))
+
+
+def _fastest_recorded(path: Path) -> str:
+    import json
+
+    rows = [r for r in json.loads(path.read_text())["ladder"] if r["status"] == "ok"]
+    return max(rows, key=lambda r: r["sps"])["name"]
+
+
+def test_the_cpu_default_stage_is_the_fastest_of_the_recorded_cpu_ladder():
+    path = Path(__file__).parents[1] / "results" / "ladder_cpu_quick.json"
+    fastest = _fastest_recorded(path)
+    assert DEFAULT_STAGE["cpu"] == fastest, (
+        f"{path.name} records {fastest} as the fastest stage on the CPU, but "
+        f"labkit.stages.DEFAULT_STAGE['cpu'] is {DEFAULT_STAGE['cpu']!r}: a re-record changed "
+        "the order, so update the constant (and the chapters that name the default)")
+    assert default_stage(CPU) == fastest
+
+
+@pytest.mark.parametrize("path", _recorded_ladders("cuda") or [None],
+                         ids=lambda p: p.name if p else "none recorded")
+def test_the_cuda_default_stage_is_the_fastest_of_a_recorded_cuda_ladder(path):
+    assert get_stage(DEFAULT_STAGE["cuda"]).skip_reason(CPU) is None  # it runs on any GPU
+    if path is None:
+        pytest.skip("no CUDA ladder recorded in results/ (ladder_cuda_*.json): "
+                    "DEFAULT_STAGE['cuda'] is fused_amp until one is")
+    fastest = _fastest_recorded(path)
+    assert DEFAULT_STAGE["cuda"] == fastest, (
+        f"{path.name} records {fastest} as the fastest stage on CUDA, but "
+        f"labkit.stages.DEFAULT_STAGE['cuda'] is {DEFAULT_STAGE['cuda']!r}: update the constant")
+
+
+def test_defaults_and_choices_are_named_once():
+    from labkit.config import PROFILES, default_profile
+
+    assert set(DEFAULT_STAGE) == {"cpu", "cuda"}  # the device types resolve_device allows
+    for name in DEFAULT_STAGE:
+        assert get_stage(default_stage(torch.device(name))).name == DEFAULT_STAGE[name]
+    assert (default_profile(CPU), default_profile(torch.device("cuda"))) == ("quick", "full")
+    assert {"quick", "full"} <= set(PROFILES)
+    choices = describe_choices()
+    assert choices.startswith(f"0-{len(STAGES) - 1} or a name (")
+    assert all(name in choices for name in STAGE_NAMES)
 
 
 def _branches_on_a_stage(tree: ast.AST) -> list[int]:
@@ -134,6 +215,16 @@ def test_every_stage_runs_an_iteration_on_cpu_and_graphs_say_why_not(pipelines):
         assert out["episodes"] == RUN.n_envs  # one 16-step episode per env in 16 steps
         changed = any(not torch.equal(a, b) for a, b in zip(before, p.agent.parameters()))
         assert changed, STAGES[index].name
+
+
+def test_no_component_is_patched_on_its_instance(pipelines):
+    """The pipeline wraps functions where it calls them: no env or collector has an instance
+    attribute standing in for one of its class's methods (``env.step = torch.compile(...)``)."""
+    for index, p in pipelines.items():
+        if isinstance(p, Pipeline):
+            for obj in (p.collector.env, p.collector):
+                shadowed = [k for k in vars(obj) if callable(getattr(type(obj), k, None))]
+                assert shadowed == [], (STAGES[index].name, type(obj).__name__, shadowed)
 
 
 def test_pipeline_accepts_names_and_device_strings():

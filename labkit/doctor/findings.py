@@ -16,47 +16,47 @@ import torch
 
 from .. import capture, policy, ppo, precision, stages, timing, update
 from ..config import RunConfig
+from ..envs import ForagePyList, ForageTorchLoop
 from ..executors import Graphed
 from ..measure.syncmeter import parse_site, short_path, source_line
+from ..rollout import HostBatchedCollector, PerEnvCollector
 from ..stages import STAGES, Pipeline, Stage
 from .meters import TORCH_DIR, Measurements
 from .report import Finding, rate
 
-#: The chapter that builds each rung of the ladder: stage i is taught in chapter i + 1.
-CHAPTERS = ("01_the_python_loop", "02_vectorize_with_numpy", "03_tensors_on_the_device",
-            "04_batch_everything", "05_log_off_the_hot_path", "06_compile_and_warm_up",
-            "07_metrics_on_the_device", "08_fused_optimizers_and_amp", "09_cuda_graphs")
-
-
 MEASURE_FIRST = "00_measure_first"
 
 
-def _ladder_fixes() -> tuple[dict[str, str], dict[str, str]]:
+def _component_class(part: Any) -> type:
+    """The class a slot's value is (the value itself for class slots)."""
+    return part if inspect.isclass(part) else type(part)
+
+
+def _ladder_fixes() -> tuple[dict[type, str], dict[str, str]]:
     """Where the ladder (its rungs without graphs, what the doctor judges against) replaces
-    each component: the chapter of the first rung after the last one holding it; and for each
-    slot, the chapter of the last rung that changes it (a component the ladder never holds,
-    a plant, is fixed there)."""
+    each component: the chapter of the first rung after the last one holding it (by the
+    component's class); and for each slot, the chapter of the last rung that changes it (a
+    component the ladder never holds, a plant, is fixed there)."""
     ladder = [s for s in STAGES if without_graphs(s) is s]
-    by_component: dict[str, str] = {}
+    by_component: dict[type, str] = {}
     by_slot: dict[str, str] = {}
     for prev, stage in zip(ladder, ladder[1:]):
-        chapter = CHAPTERS[stage.index]
         for slot, part in stage.components().items():
             old = prev.components()[slot]
             if part != old:
-                by_component[getattr(old, "__name__", type(old).__name__)] = chapter
-                by_slot[slot] = chapter
+                by_component[_component_class(old)] = stage.chapter
+                by_slot[slot] = stage.chapter
     return by_component, by_slot
 
 
 # How each fix is done: by component class (most specific), else by slot; the chapter that
 # teaches it comes from the ladder (_ladder_fixes), or is named where the ladder has none.
-_COMPONENT_HOW = {
-    "PerEnvCollector": "one batched forward for all envs, actions sampled on the device",
-    "ForagePyList": "vectorized envs",
-    "HostBatchedCollector": "keep the env on the device: no per-step transfers",
-    "ForageTorchLoop": "one vectorized env step (torch.where, gathers) instead of per-env "
-                       "Python conditionals on device tensors",
+_COMPONENT_HOW: dict[type, str] = {
+    PerEnvCollector: "one batched forward for all envs, actions sampled on the device",
+    ForagePyList: "vectorized envs",
+    HostBatchedCollector: "keep the env on the device: no per-step transfers",
+    ForageTorchLoop: "one vectorized env step (torch.where, gathers) instead of per-env "
+                     "Python conditionals on device tensors",
 }
 
 
@@ -196,8 +196,8 @@ class Parts:
 
     def fix(self, slot: str) -> tuple[str, str]:
         for cls in _classes(self.parts[slot]) if slot in self.parts else ():
-            if cls.__name__ in _COMPONENT_HOW:
-                return _COMPONENT_FIX[cls.__name__]
+            if cls in _COMPONENT_FIX:
+                return _COMPONENT_FIX[cls]
         return _SLOT_FIX[slot]
 
 
@@ -504,7 +504,9 @@ def precision_findings(pipe: Pipeline, twin: Stage, parts: Parts, phase_ms: dict
 _BY_COMPONENT, _BY_SLOT = _ladder_fixes()
 
 
-_COMPONENT_FIX = {name: (_BY_COMPONENT[name], how) for name, how in _COMPONENT_HOW.items()}
+# A class the ladder no longer replaces falls back to its slot's fix.
+_COMPONENT_FIX = {cls: (_BY_COMPONENT[cls], how) for cls, how in _COMPONENT_HOW.items()
+                  if cls in _BY_COMPONENT}
 
 
 _SLOT_FIX = {slot: (_BY_SLOT.get(slot) or _UNCHANGED_SLOT_CHAPTER[slot], how)

@@ -5,10 +5,10 @@ import gc
 import signal
 import statistics
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import CodeType
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ from ..device import resolve_device, run_metadata, synchronize
 from ..envs.numpy import ForageNumpy
 from ..envs.python import ForagePy
 from ..envs.spec import N_ACTIONS, ForageSpec, check_n_envs
-from ..envs.torch import ForageTorch
+from ..envs.torch import ForageTorch, check_actions
 from ..envs.torch_loop import ForageTorchLoop
 from ..signals import raise_if_stopped, signum_of
 from ..timing import timed
@@ -202,42 +202,56 @@ STEP_PARTS = {"move and eat": "_walk", "hash": "_hash", "find cells, write": "_p
               "episode end": "_end_episodes", "observation": "observation"}
 
 
+def _step_by_parts(env: ForageTorch, actions: torch.Tensor,
+                   part: Callable[..., object]) -> tuple:
+    """``env.step(actions)`` as ``ForageTorch.step`` writes it, with each call of a part of
+    ``STEP_PARTS`` made through ``part(name, method, *args)``: the parts are timed where they
+    are called, and the env is left as it is (a test holds this to ``ForageTorch.step``: the
+    same outputs and state, step for step)."""
+    actions = check_actions(actions, env.n_envs, env.device)
+    cell, reward = part("move and eat", env._walk, actions)
+    draws = env._draws_now()
+    env.t += 1
+    passes, next_prefix = part("hash", env._hash, cell, reward, draws)
+    for n, values, column in passes:
+        col = part("find cells, write", env._place, n, values)
+        env._next_pos.scatter_(1, column, col[:, 1:])
+    truncated, info = part("episode end", env._end_episodes, reward, next_prefix)
+    obs = part("observation", env.observation)
+    if env.final_obs:
+        info["final_observation"] = torch.where(truncated.view(-1, 1, 1, 1),
+                                                info["final_observation"], obs)
+    return obs, reward, torch.zeros_like(truncated), truncated, info
+
+
 def step_parts(env: ForageTorch, steps: int | None = None, seed: int = 0) -> dict:
     """Where a ``ForageTorch.step`` goes: each part of ``STEP_PARTS`` timed on the host over
     ``steps`` steps with random actions (default: one whole episode, so the share of the
-    layout work is exact), a device sync on both sides of each part (on a GPU the syncs
-    serialize the queue: read shares, not speed). ``other`` is the rest of the step (the
-    action check, Python between the parts, the timer itself)."""
+    layout work is exact), each through :func:`labkit.timing.timed` where the step calls it
+    (a device sync on both sides: on a GPU the syncs serialize the queue, so read shares, not
+    speed). ``other`` is the rest of the step (the action check, Python between the parts, the
+    timing itself)."""
+    if type(env).step is not ForageTorch.step:
+        raise TypeError(f"step_parts times ForageTorch.step; {type(env).__name__} has its own")
     dev, steps = env.device, steps or env.spec.episode_length
     check_int("steps", steps, 1)
     gen = torch.Generator(dev).manual_seed(seed)
     actions = torch.randint(0, N_ACTIONS, (steps + 1, env.n_envs), generator=gen, device=dev)
     spent = dict.fromkeys(STEP_PARTS, 0.0)
 
-    def timer(part: str, method: Callable) -> Callable:
-        def timed_part(*args, **kwargs):
-            synchronize(dev)
-            start = time.perf_counter()
-            out = method(*args, **kwargs)
-            synchronize(dev)
-            spent[part] += time.perf_counter() - start
-            return out
-        return timed_part
+    def part(name: str, method: Callable, *args: object) -> object:
+        seconds, out = timed(lambda: method(*args), dev)
+        spent[name] += seconds
+        return out
 
-    for part, name in STEP_PARTS.items():  # instance attributes shadow the methods
-        setattr(env, name, timer(part, getattr(env, name)))
-    try:
-        env.step(actions[-1])  # warm up, then count from zero
-        spent.update(dict.fromkeys(spent, 0.0))
+    _step_by_parts(env, actions[-1], part)  # warm up, then count from zero
+    spent.update(dict.fromkeys(spent, 0.0))
 
-        def run() -> None:
-            for a in actions[:steps]:
-                env.step(a)
-        total, _ = timed(run, dev)
-    finally:
-        for name in STEP_PARTS.values():
-            delattr(env, name)
-    parts = {part: s / steps for part, s in spent.items()}
+    def run() -> None:
+        for a in actions[:steps]:
+            _step_by_parts(env, a, part)
+    total, _ = timed(run, dev)
+    parts = {name: s / steps for name, s in spent.items()}
     parts["other"] = total / steps - sum(parts.values())
     return {"n_envs": env.n_envs, "device": str(dev), "steps": steps,
             "step_s": total / steps, "parts_s": parts}
@@ -319,13 +333,33 @@ def numpy_calls(fn: Callable[[], object]) -> Counter:
         elif event in ("c_return", "c_exception") and _is_numpy(arg):
             depth -= 1
 
+    _profiled(fn, hook)
+    return counts
+
+
+def calls_of(code: CodeType, fn: Callable[[], object]) -> int:
+    """How many times one call of ``fn`` runs the Python function whose code is ``code``
+    (``ForageNumpy._new_episodes.__code__``), counted by a profile hook: nothing is patched."""
+    count = 0
+
+    def hook(frame, event, arg) -> None:
+        nonlocal count
+        if event == "call" and frame.f_code is code:
+            count += 1
+
+    _profiled(fn, hook)
+    return count
+
+
+def _profiled(fn: Callable[[], object], hook: Callable) -> None:
+    """``fn()`` with ``hook`` as the profile hook (``sys.setprofile``), the previous one
+    restored after."""
     previous = sys.getprofile()
     sys.setprofile(hook)
     try:
         fn()
     finally:
         sys.setprofile(previous)
-    return counts
 
 
 def state_at(env: ForageNumpy | ForageTorch, t: int | Sequence[int] | np.ndarray) -> dict:
@@ -562,26 +596,15 @@ def step_ops(n_envs: int = 8, spec: ForageSpec | None = None, seed: int = 0,
     out: dict = {"ForageNumpy": {}, "ForageTorch": {}, "numpy_resets": {}}
     numpy_env = ForageNumpy(n_envs, spec, seed)
     torch_env = ForageTorch(n_envs, spec, seed=seed, device=dev)
-    resets = 0
-    build = numpy_env._new_episodes
+    reset = type(numpy_env)._new_episodes.__code__
     torch_actions = torch.as_tensor(actions, device=dev)
-
-    def counted(*args, **kwargs):
-        nonlocal resets
-        resets += 1
-        return build(*args, **kwargs)
-
-    numpy_env._new_episodes = counted  # an instance attribute shadows the method
-    try:
-        for case, t in ends.items():
-            numpy_env.load_state_dict(state_at(numpy_env, t))
-            resets = 0
-            out["ForageNumpy"][case] = numpy_calls(lambda: numpy_env.step(actions))
-            out["numpy_resets"][case] = resets
-            torch_env.load_state_dict(state_at(torch_env, t))
-            out["ForageTorch"][case] = dispatch_ops(lambda: torch_env.step(torch_actions))
-    finally:
-        del numpy_env._new_episodes
+    for case, t in ends.items():
+        numpy_env.load_state_dict(state_at(numpy_env, t))
+        out["ForageNumpy"][case] = numpy_calls(lambda: numpy_env.step(actions))
+        numpy_env.load_state_dict(state_at(numpy_env, t))  # the same step again, its resets
+        out["numpy_resets"][case] = calls_of(reset, lambda: numpy_env.step(actions))
+        torch_env.load_state_dict(state_at(torch_env, t))
+        out["ForageTorch"][case] = dispatch_ops(lambda: torch_env.step(torch_actions))
     return out
 
 
