@@ -18,11 +18,13 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 
 
 class Stop(KeyboardInterrupt):
-    """A stop signal, raised in the main thread; ``signum`` says which."""
+    """A stop signal, raised in the main thread; ``signum`` says which. Work that stopped and
+    kept something raises it again with ``said``: the line that says what was kept (what the
+    CLI prints before it exits 128 + the signal)."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, said: str | None = None) -> None:
         super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+        self.signum, self.said = signum, said
 
 
 #: The signals caught by each open :func:`stop_signals` block, innermost last.

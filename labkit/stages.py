@@ -198,6 +198,11 @@ STAGE_NAMES = tuple(s.name for s in STAGES)
 DEFAULT_STAGE: dict[str, str] = {"cpu": "numpy_vec", "cuda": "fused_amp"}
 
 
+#: The last rung that runs on every device: what the doctor diagnoses when told nothing, and
+#: the stage its planted regressions go into.
+REFERENCE_STAGE = "fused_amp"
+
+
 def default_stage(device: torch.device) -> str:
     """The name of the stage a run on ``device`` uses when none is named (:data:`DEFAULT_STAGE`)."""
     return DEFAULT_STAGE[device.type]

@@ -62,7 +62,7 @@ def test_a_record_made_before_the_read_split_shows_dashes_and_says_so(tmp_path):
     them) render a dash and a sentence saying so, never 0 or an error."""
     import json
 
-    from labkit.app.record import results_markdown
+    from labkit.app.report import results_markdown
     from labkit.book.claims import ladder_summary
 
     row = {"stage": 0, "name": "python_loop", "status": "ok", "n_envs": 32, "n_steps": 64,

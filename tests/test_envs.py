@@ -384,22 +384,6 @@ def test_observation_channels() -> None:
     assert obs[0].sum() == 8 and obs[0, 1, 1] == 0 and obs[1:].sum() == 0
 
 
-def test_compile_default_follows_the_recorded_benchmark() -> None:
-    """ForageTorch.compile_step_on records where compiling the step pays: on the CPU it must
-    agree with the recorded bench-env --compiled rows (the compiled step faster at every N)."""
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).parents[1] / "results" / "bench_env_cpu_compiled.json"
-    rows = json.loads(path.read_text())["rows"]
-    eager = {r["n_envs"]: r["steps_per_s"] for r in rows if r["impl"] == "ForageTorch"}
-    compiled = {r["n_envs"]: r["steps_per_s"] for r in rows
-                if r["impl"].startswith("ForageTorch+compile")}
-    assert compiled and set(compiled) <= set(eager)
-    pays = all(compiled[n] > eager[n] for n in compiled)
-    assert ("cpu" in ForageTorch.compile_step_on) == pays, (eager, compiled)
-
-
 def test_reset_and_load_write_in_place() -> None:
     """Compiled code and CUDA graphs hold the env's buffers: reset and load_state_dict keep
     every one's storage."""

@@ -656,7 +656,7 @@ def test_a_complete_run_without_its_summary_gets_it_back(copy_of, capsys):
 def test_a_summary_that_cannot_be_written_says_what_is_safe(copy_of, capsys, monkeypatch):
     import errno
 
-    from labkit.app import train as train_module
+    from labkit.app import run as run_module
 
     def full_disk(path, data):
         if Path(path).name == "summary.json":
@@ -665,7 +665,7 @@ def test_a_summary_that_cannot_be_written_says_what_is_safe(copy_of, capsys, mon
 
     run = copy_of()
     (run / "summary.json").unlink()
-    monkeypatch.setattr(train_module, "write_json", full_disk)
+    monkeypatch.setattr(run_module, "write_json", full_disk)
     code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
     assert code == 1 and err.count("\n") == 1, err
     assert f"could not write {run / 'summary.json'}" in err and "No space left" in err

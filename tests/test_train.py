@@ -372,3 +372,48 @@ def test_training_reaches_half_the_oracle_on_cpu(tmp_path):
     early = [r["mean_return"] for r in records[:8] if r["episodes"]]
     assert early and max(early) < 3 * random + 1  # it starts from a random policy
     assert summary["final_mean_return"] >= 0.5 * oracle, (summary, oracle)
+
+
+def _count_judgements(monkeypatch) -> dict[str, int]:
+    """Count the device resolutions of the run's path (``resolve_device`` in labkit.app and
+    labkit.stages: the layers the architecture review counted; an env still checks its own
+    ``device`` argument, as every component checks its input) and every ``Stage.check``."""
+    import labkit.device
+    from labkit.stages import Stage
+
+    counts = {"resolve_device": 0, "Stage.check": 0}
+    resolve, check = labkit.device.resolve_device, Stage.check
+
+    def counted_resolve(*args, **kwargs):
+        counts["resolve_device"] += 1
+        return resolve(*args, **kwargs)
+
+    def counted_check(self, *args, **kwargs):
+        counts["Stage.check"] += 1
+        return check(self, *args, **kwargs)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith(("labkit.app", "labkit.stages")) \
+                and getattr(module, "resolve_device", None) is resolve:
+            monkeypatch.setattr(module, "resolve_device", counted_resolve)
+    monkeypatch.setattr(Stage, "check", counted_check)
+    return counts
+
+
+@pytest.mark.parametrize("how", ["new", "resume", "cli"])
+def test_a_run_is_judged_once(tmp_path, monkeypatch, how, capsys):
+    """One door (labkit.app.run.open_run) judges a run: the device is resolved and the stage
+    checked there, and once more by the Pipeline, which refuses bad input on its own; the CLI
+    only maps its flags (4 stage checks and 5 device resolutions per run before)."""
+    out = tmp_path / "run"
+    if how == "resume":
+        train(small_config(total_steps=2 * 128), out, progress=False, stop_after=1)
+    counts = _count_judgements(monkeypatch)
+    if how == "cli":
+        assert main(["train", "--stage", "async_logging", "--device", "cpu", "--n-envs", "8",
+                     "--n-steps", "16", "--total-steps", "256", "--out", str(out),
+                     "--no-progress"]) == 0
+    else:
+        train(None if how == "resume" else small_config(total_steps=2 * 128), out,
+              resume=how == "resume", progress=False)
+    assert counts == {"resolve_device": 2, "Stage.check": 2}

@@ -62,11 +62,11 @@ _non_negative_int = _int_at_least(0)
 
 
 def _stage_list(text: str) -> list:
-    from ..stages import STAGE_NAMES, get_stage
+    from ..stages import describe_choices, get_stage
     parts = [part.strip() for part in text.split(",")]
     if not any(parts):
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated stages (0-{len(STAGE_NAMES) - 1} or names), got {text!r}")
+            f"expected comma-separated stages ({describe_choices()}), got {text!r}")
     try:
         stages = [get_stage(part) for part in parts if part]
     except ValueError as err:
@@ -84,6 +84,18 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _choices() -> str:
+    from ..stages import describe_choices
+    return describe_choices()
+
+
+def _default_stage_note() -> str:
+    """The default stage, said once: the fastest on the device by the recorded ladder."""
+    from ..stages import DEFAULT_STAGE
+    each = ", ".join(f"{name} on {kind}" for kind, name in DEFAULT_STAGE.items())
+    return f"default: the fastest on the device by the recorded ladder: {each}"
+
+
 def _stage(text: str) -> str:
     from ..stages import get_stage
     try:
@@ -94,32 +106,10 @@ def _stage(text: str) -> str:
 
 def cmd_bench_env(args: argparse.Namespace) -> int:
     from ..device import resolve_device
-    from ..files import check_output_dir, write_json
-    from ..measure.envbench import bench_envs, format_table
-    from ..signals import signals_deferred
+    from .ladder import bench_env
 
-    device = resolve_device(args.device)
-    out = check_output_dir(args.out) / f"bench_env_{device.type}.json"
-    _check_not_a_folder(out)
-    result = bench_envs(device=device, repeats=args.repeats, n_envs=args.n_envs,
-                        compiled=args.compiled, compile_loop=args.compile_loop)
-    stop = result.get("interrupted")
-    if stop:  # the rounds that finished, beside (never over) a complete run's file
-        out = out.with_name(f"{out.stem}_partial.json")
-    with signals_deferred(reraise=False) as late:  # what was measured is shown and written
-        print(format_table(result))
-        write_json(out, result)
-        print(f"wrote {out}")
-    if not (stop or late):
-        return 0
-    import signal
-    if stop:
-        print(f"interrupted by {stop}: {out} holds the {result['repeats']} round(s) that "
-              "finished", file=sys.stderr)
-        return 128 + signal.Signals[stop]
-    print(f"interrupted by {signal.Signals(late[0]).name} while writing the results; they "
-          "are all written", file=sys.stderr)
-    return 128 + late[0]
+    return bench_env(resolve_device(args.device), args.out, repeats=args.repeats,
+                     n_envs=args.n_envs, compiled=args.compiled, compile_loop=args.compile_loop)
 
 
 def _is_dir(path: Path, flag: str) -> bool:
@@ -138,69 +128,19 @@ def _check_not_a_folder(path: Path) -> None:
 
 
 def cmd_ladder(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
-    from ..book.plots import save_figures
-    from ..config import BenchConfig
+    from ..config import BenchConfig, default_profile
     from ..device import resolve_device
-    from ..files import check_output_dir, write_json
-    from ..measure.bench import (
-        format_ladder,
-        format_noise,
-        format_phases,
-        format_scaling,
-        ladder_plan,
-        run_ladder,
-    )
-    from ..signals import signals_deferred, stop_signals
+    from .ladder import ladder
 
     device = resolve_device(args.device)
-    profile = args.profile or ("full" if device.type == "cuda" else "quick")
+    profile = args.profile or default_profile(device)
     overrides = {k: v for k, v in (("n_envs", args.n_envs), ("n_steps", args.n_steps),
                                    ("iterations", args.iterations)) if v is not None}
     if args.scaling_n_envs:
         overrides["scaling_n_envs"] = tuple(args.scaling_n_envs)
-    cfg = BenchConfig.from_profile(profile, **overrides)
-    ladder_plan(cfg, device, args.stages, not args.no_scaling)  # every size checked up front
-    stem = f"ladder_{device.type}_{profile}"
-    out_dir = check_output_dir(args.out)
-    _check_not_a_folder(out_dir / f"{stem}.json")
-    bar = tqdm(total=1, desc="ladder", unit="run", disable=args.no_progress)
-
-    def progress(i: int, total: int, what: str) -> None:
-        bar.total = total
-        bar.n = i
-        bar.set_postfix_str(what)
-        bar.refresh()
-
-    with stop_signals():
-        result = run_ladder(cfg, device, stages=args.stages, scaling=not args.no_scaling,
-                            profile=profile, progress=progress, threads=args.threads)
-    with signals_deferred(reraise=False) as late:  # what was measured is shown and written
-        bar.n = bar.total
-        bar.close()
-        print(format_ladder(result))
-        if any(r.get("status") == "ok" for r in result["ladder"]):
-            print("\nwhere an iteration goes:\n" + format_phases(result))
-        if result["scaling"]:
-            print("\nscaling sweep:\n" + format_scaling(result))
-        if format_noise(result):
-            print("\n" + format_noise(result))
-        if result.get("interrupted"):
-            stem += "_partial"
-        out = write_json(out_dir / f"{stem}.json", result)
-        figures = save_figures(result, out_dir, stem)
-        print(f"wrote {out}, " + ", ".join(str(p) for p in figures))
-    if result.get("interrupted") or late:
-        import signal
-        if not result.get("interrupted"):
-            print(f"interrupted by {signal.Signals(late[0]).name} while writing the results; "
-                  "they are all written", file=sys.stderr)
-        return 128 + (signal.Signals[result["interrupted"]] if result.get("interrupted")
-                      else late[0])
-    failed = [r for r in result["ladder"] + result["scaling"]
-              if r["status"].startswith("error")]
-    return 1 if failed else 0
+    return ladder(BenchConfig.from_profile(profile, **overrides), device, profile, args.out,
+                  stages=args.stages, scaling=not args.no_scaling, threads=args.threads,
+                  progress=not args.no_progress)
 
 
 TRAIN_OPTIONS = ("stage", "device", "n_envs", "n_steps", "total_steps", "seed", "value_head",
@@ -208,13 +148,10 @@ TRAIN_OPTIONS = ("stage", "device", "n_envs", "n_steps", "total_steps", "seed", 
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """Map the flags to a run; :func:`labkit.app.train.train` judges it (once) and trains."""
     from ..distributed import current
-    from ..files import check_output_dir, unique_folder
-    from ..logging import TensorBoardSink
-    from ..signals import signum_of
-    from .train import TrainConfig, TrainingFailed, TrainingInterrupted, check_runnable, train
+    from .train import NewFolder, TrainConfig, train
 
-    group = current()  # under torchrun: this process's rank (every rank runs this command)
     given = {k: getattr(args, k) for k in TRAIN_OPTIONS if getattr(args, k) is not None}
     if args.resume:
         if given:
@@ -223,69 +160,27 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.out is not None and Path(args.out).resolve() != Path(args.resume).resolve():
             raise ValueError("--resume continues the run in its own folder; drop --out or "
                              "give the same folder")
-        cfg, out = None, Path(args.resume)
-        if not _is_dir(out, "--resume"):
-            raise ValueError(f"--resume {out}: no such run folder")
-    else:
-        cfg = TrainConfig.flat(**given, world_size=group.world)
-        check_runnable(cfg, group)
-        if group.world > 1 and args.out is None:
-            raise ValueError("--out is required under torchrun: every rank must name the same "
-                             "run folder")
-        if args.tensorboard is not None and group.is_main:  # refused before the run folder
-            TensorBoardSink.check_installed()
-            check_output_dir(args.tensorboard, "--tensorboard")
-        out = check_output_dir(args.out) if args.out else unique_folder(
-            "runs/train-%Y%m%d-%H%M%S")
-    try:
-        s = train(cfg, out, resume=bool(args.resume), progress=not args.no_progress,
-                  stop_after=args.stop_after, tensorboard=args.tensorboard,
-                  debug_checks=args.debug)
-    except TrainingInterrupted as err:
-        if group.is_main:
-            print(f"\n{err}\ncontinue with: python -m labkit train --resume {out}",
-                  file=sys.stderr)
-        return 128 + err.signum
-    except TrainingFailed as err:
-        if group.is_main:
-            print(f"error: {_one_line(err)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as stop:  # before the loop: nothing trained in this session
-        if group.is_main:
-            print(f"\n{_stopped_before_training(stop, out)}", file=sys.stderr)
-        return 128 + signum_of(stop)
+    group = current()  # under torchrun: this process's rank (every rank runs this command)
+    cfg = None if args.resume else TrainConfig.flat(**given, world_size=group.world)
+    s = train(cfg, args.resume or args.out or NewFolder(), resume=bool(args.resume),
+              progress=not args.no_progress, stop_after=args.stop_after,
+              tensorboard=args.tensorboard, debug_checks=args.debug)
+    out = s["out"]
     if not group.is_main:
         return 0
     if s.get("already_complete"):
         print(f"the run in {out} is already complete ({s['steps']:,} steps); nothing to do")
-        return 0
-    if s.get("summary_restored"):
+    elif s.get("summary_restored"):
         print(f"the run in {out} was complete ({s['steps']:,} steps) without its summary; "
-              f"wrote {out / 'summary.json'} from its final checkpoint and metrics")
-        return 0
-    print(f"trained {s['steps']:,} steps ({s['stage']} on {s['device']}, "
-          f"{s['threads']} CPU thread(s)) in {s['wall_s']:.0f} s: "
-          f"final mean return {_num(s['final_mean_return'], '.2f')}, "
-          f"{_num(s['steps_per_s'], ',.0f')} steps/s this session"
-          + (f" over {s['world_size']} processes" if s["world_size"] > 1 else "")
-          + f"; wrote {out}")
+              f"wrote {Path(out) / 'summary.json'} from its final checkpoint and metrics")
+    else:
+        print(f"trained {s['steps']:,} steps ({s['stage']} on {s['device']}, "
+              f"{s['threads']} CPU thread(s)) in {s['wall_s']:.0f} s: "
+              f"final mean return {_num(s['final_mean_return'], '.2f')}, "
+              f"{_num(s['steps_per_s'], ',.0f')} steps/s this session"
+              + (f" over {s['world_size']} processes" if s["world_size"] > 1 else "")
+              + f"; wrote {out}")
     return 0
-
-
-def _stopped_before_training(stop: BaseException, out: Path) -> str:
-    """What a stop before the first iteration of this session kept, and how to go on."""
-    import signal
-
-    from ..signals import signum_of
-    from .train import CONFIG
-
-    how = f"interrupted by {signal.Signals(signum_of(stop)).name} before training"
-    hint = f"\ncontinue with: python -m labkit train --resume {out}"
-    if (out / "checkpoint.pt").exists():
-        return f"{how} resumed; {out / 'checkpoint.pt'} is unchanged{hint}"
-    if (out / CONFIG).exists():  # the folder holds the run: the same command again is refused
-        return f"{how} started; {out} holds the run's config and nothing trained yet{hint}"
-    return f"{how} started; nothing saved"
 
 
 def _one_line(text: object) -> str:
@@ -326,15 +221,14 @@ def cmd_plot_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    import signal
-
+    from ..config import default_profile
     from ..device import resolve_device
     from ..files import check_output_dir
-    from ..signals import signum_of, stop_signals
+    from ..signals import Stop, signum_of, stop_signals
     from .record import check_run_id, format_plan, plan, record, select
 
     device = resolve_device(args.device)
-    profile = args.profile or ("full" if device.type == "cuda" else "quick")
+    profile = args.profile or default_profile(device)
     todo = select(plan(profile, args.notebooks), args.parts)
     if args.run is not None:
         check_run_id(args.run)
@@ -349,44 +243,24 @@ def cmd_record(args: argparse.Namespace) -> int:
                              overwrite_gpu_notebooks=args.overwrite_gpu_notebooks)
     except KeyboardInterrupt as stop:
         signum = signum_of(stop)
-        print(f"\ninterrupted by {signal.Signals(signum).name}: every part listed above as "
-              f"written is kept, and so is each ladder row measured (in {out})",
-              file=sys.stderr)
-        return 128 + signum
+        raise Stop(signum, said=f"interrupted by {Stop(signum)}: every part listed above as "
+                                f"written is kept, and so is each ladder row measured (in "
+                                f"{out})") from None
     print(f"recorded {', '.join(seconds)} in {sum(seconds.values()):.0f} s")
     return 0
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from ..capture import warmup
     from ..config import RunConfig
     from ..device import resolve_device
-    from ..files import check_output_dir
-    from ..measure.profiling import top_ops, trace_pipeline
-    from ..stages import Pipeline, get_stage
+    from ..measure.profiling import profile_stage
+    from ..stages import default_stage
 
     device = resolve_device(args.device)
-    cfg = RunConfig(n_envs=args.n_envs, n_steps=args.n_steps)
-    get_stage(args.stage).check(device, cfg)  # before the folder is made: nothing is left
-    out = check_output_dir(args.out)
-    pipe = Pipeline(args.stage, cfg, device)
-    with pipe:
-        warmup(pipe)  # compilation and capture stay out of the trace
-        prof, path = trace_pipeline(pipe, out, iterations=args.iterations)
-    print(f"{pipe.stage.name} on {device}, N={cfg.n_envs} x T={cfg.n_steps}, "
-          f"{args.iterations} iteration(s) after a warmup; top ops by self time per iteration:")
-    print(top_ops(prof, torch_cpu(), n=args.top, per=args.iterations))
-    if device.type == "cuda":
-        print("\nCUDA kernels:")
-        print(top_ops(prof, device, n=args.top, per=args.iterations))
-    print(f"wrote {path} (open it in https://ui.perfetto.dev, chrome://tracing, or "
-          f"TensorBoard's PyTorch profiler: tensorboard --logdir {out})")
+    print(profile_stage(args.stage or default_stage(device),
+                        RunConfig(n_envs=args.n_envs, n_steps=args.n_steps), device, args.out,
+                        iterations=args.iterations, top=args.top))
     return 0
-
-
-def torch_cpu():
-    import torch
-    return torch.device("cpu")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -422,7 +296,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from ..files import check_output_dir
-    from .record import write_report
+    from .report import write_report
 
     if not _is_dir(Path(args.results), "--results"):
         raise ValueError(f"--results: {args.results!r} is not a folder (make record writes one)")
@@ -546,7 +420,8 @@ def _add_report(sub) -> None:
 def _add_profile(sub) -> None:
     p = sub.add_parser("profile", help="a torch.profiler trace of steady-state iterations")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--stage", type=_stage, default="fused_amp", help="0-8 or a name")
+    p.add_argument("--stage", type=_stage, default=None,
+                   help=f"{_choices()} ({_default_stage_note()})")
     p.add_argument("--n-envs", type=_positive_int, default=64, help="N (default: %(default)s)")
     p.add_argument("--n-steps", type=_positive_int, default=32, help="T (default: %(default)s)")
     p.add_argument("--iterations", type=_int_at_least(1, 100), default=1,
@@ -572,6 +447,7 @@ def _add_stage_flags(p: argparse.ArgumentParser, stage: str, what: str, n_envs: 
 
 def _add_doctor(sub) -> None:
     from ..doctor import DOCTOR_RUN
+    from ..stages import REFERENCE_STAGE
 
     p = sub.add_parser(
         "doctor", help="run a few iterations under the meters and report regressions",
@@ -579,7 +455,7 @@ def _add_doctor(sub) -> None:
                     "memory tracker and dynamo's counters; print what regressed and the "
                     "chapter with the fix. Exit 0 without findings, 1 with, 2 on a usage error.")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    _add_stage_flags(p, "fused_amp", "0-8 or a name", **DOCTOR_RUN)
+    _add_stage_flags(p, REFERENCE_STAGE, _choices(), **DOCTOR_RUN)
     p.add_argument("--iterations", type=_int_at_least(2, 10_000), default=5,
                    help="timed iterations, 2 to 10,000 (default: %(default)s)")
     p.add_argument("--json", action="store_true", help='print {"findings": [...], ...}')
@@ -587,6 +463,8 @@ def _add_doctor(sub) -> None:
 
 
 def _add_rehearse(sub) -> None:
+    from ..stages import STAGES
+
     p = sub.add_parser(
         "rehearse", help="rehearse a stage's CUDA graph captures on the CPU",
         description="Capture and replay a stage's CUDA graphs on the CPU "
@@ -595,7 +473,7 @@ def _add_rehearse(sub) -> None:
                     "and whether the replays compute what the stage without graphs computes, "
                     "bit for bit. No speed is measured. Exit 0 when capturable and equal, 1 "
                     "otherwise, 2 on a usage error.")
-    _add_stage_flags(p, "cuda_graphs", "a stage with CUDA graphs", n_envs=16, n_steps=16)
+    _add_stage_flags(p, STAGES[-1].name, "a stage with CUDA graphs", n_envs=16, n_steps=16)
     p.add_argument("--device", default="cpu", help="cpu (the rehearsal's only device)")
     p.add_argument("--iterations", type=_int_at_least(1, 10_000), default=2,
                    help="iterations rehearsed (default: %(default)s)")
@@ -645,28 +523,76 @@ KEPT_AFTER_STOP = {"doctor": "it writes no file", "rehearse": "it writes no file
                    "plot-runs": "the figure is written whole or not at all"}
 
 
+def _out_of_memory(err: BaseException) -> bool:
+    """A failed allocation: MemoryError, or torch's (CUDA's "out of memory", the CPU
+    allocator's "not enough memory")."""
+    text = str(err).lower()
+    return isinstance(err, MemoryError) or (isinstance(err, RuntimeError) and (
+        "out of memory" in text or "not enough memory" in text))
+
+
+def _notes(err: BaseException) -> str:
+    """What the work said it kept, in the notes it added to ``err`` (``labkit: ...``)."""
+    return "".join(f"; {n.removeprefix('labkit: ')}" for n in getattr(err, "__notes__", ()))
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command, and map how it ended to one exit code and at most one line: a user's
+    error (ValueError, TypeError) exit 2; the machine's (OSError, a failed allocation) or the
+    run's (TrainingFailed) exit 1; a stop signal 128 + n with the line saying what was kept;
+    a closed stdout (``| head``) quietly, 128 + SIGPIPE. Commands return their code or raise;
+    none computes an exit code from a signal itself."""
     import signal
 
+    from ..distributed import current
     from ..files import describe_os_error
     from ..signals import signum_of, stop_signals
+    from .run import TrainingFailed
 
-    command = "labkit"
+    command, speak = "labkit", current().is_main  # under torchrun rank 0 alone says it
+
+    def say(line: str) -> None:
+        if speak:
+            print(line, file=sys.stderr)
+
     try:
         with stop_signals():  # from the first line: a signal at any moment stops alike
             _escape_unprintable()
             args = build_parser().parse_args(argv)
             command = args.command
             return args.func(args)
+    except BrokenPipeError:  # the reader went away (labkit ... | head): nothing to say
+        _silence_stdout()
+        return 128 + signal.SIGPIPE
     except (ValueError, TypeError) as err:
-        print(f"error: {_one_line(err)}", file=sys.stderr)
+        say(f"error: {_one_line(err)}")
         return 2
     except OSError as err:
-        print(f"error: {_one_line(describe_os_error(err))}", file=sys.stderr)
+        say(f"error: {_one_line(describe_os_error(err))}")
         return 1
-    except KeyboardInterrupt as stop:  # train, ladder and record say what they kept
+    except TrainingFailed as err:
+        say(f"error: {_one_line(err)}")
+        return 1
+    except (MemoryError, RuntimeError) as err:
+        if not _out_of_memory(err):
+            raise  # a bug: its traceback is the message
+        say(f"error: out of memory in {command}: {_one_line(err)}{_one_line(_notes(err))}")
+        return 1
+    except KeyboardInterrupt as stop:
         signum = signum_of(stop)
         kept = KEPT_AFTER_STOP.get(command)
-        print(f"\ninterrupted by {signal.Signals(signum).name}: {command} stopped"
-              + (f"; {kept}" if kept else ""), file=sys.stderr)
+        said = getattr(stop, "said", None) or (
+            f"interrupted by {signal.Signals(signum).name}: {command} stopped"
+            + (f"; {kept}" if kept else ""))
+        say(f"\n{said}")
         return 128 + signum
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: the interpreter's own flush at exit would raise again."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

@@ -49,9 +49,7 @@ import torch
 
 from ..device import git_commit, run_metadata
 from ..files import atomic_write, write_json
-
-# results_markdown: tests/test_claims.py imports it from here until it imports .report
-from .report import results_markdown, write_report  # noqa: F401
+from .report import write_report
 from .results import (
     ROOT,
     LadderFile,
@@ -378,13 +376,11 @@ class _Session:
             raise
 
     def _figures(self, book: LadderFile, reraise: bool = True) -> list[Path]:
-        from ..book.plots import save_figures
-        from ..signals import signals_deferred
+        from .ladder import write_figures
 
         if not book.rows:
             return []
-        with signals_deferred(reraise=reraise):  # a figure half written is worse than none
-            return save_figures(book.data, self.out, book.path.stem)
+        return write_figures(book.data, self.out, book.path.stem, reraise=reraise)
 
     def bench_env(self, batch: list[Part]) -> list[Path]:
         """Env steps/s of each Forage implementation; a stopped benchmark writes nothing."""

@@ -45,7 +45,7 @@ from ..metrics import DeviceEpisodeStats
 from ..policy import HIDDEN, Agent, PopArtValueHead
 from ..precision import Amp, Precision
 from ..rollout import DeviceCollector
-from ..stages import Stage, get_stage
+from ..stages import REFERENCE_STAGE, Stage, get_stage
 from ..update import Adam
 
 # ---------------------------------------------------------------------------- logger
@@ -337,7 +337,7 @@ def plant(stage: Stage | int | str, name: str) -> Stage:
     if not _holds(current, p.varies):
         have = getattr(current, "__name__", None) or type(current).__name__
         raise ValueError(f"plant {name!r} is a variant of {p.varies.__name__}, but stage "
-                         f"{stage.name}'s {p.slot} is {have}; plant it in fused_amp (7)")
+                         f"{stage.name}'s {p.slot} is {have}; plant it in {REFERENCE_STAGE}")
     return replace(stage, name=f"{stage.name}+{name}", **{p.slot: p.part})
 
 

@@ -126,13 +126,6 @@ class ForageTorch:
 
     #: One batch of tensor ops steps every env: the cost grows with N only through the device.
     vectorized_on_device = True
-    #: Device types where ``torch.compile`` of this step is recorded to pay: none. On the CPU
-    #: the compiled step is slower than eager, as recorded in
-    #: ``results/bench_env_cpu_compiled.json`` (a test holds this set to that file); on CUDA it
-    #: has not been measured yet (``bench-env --compiled`` there decides). No stage compiles
-    #: the env step: the compiled stages (5 on) compile the model math, and stage 8 captures
-    #: the step in the rollout step's CUDA graph.
-    compile_step_on: frozenset[str] = frozenset()
 
     def __init__(self, n_envs: int, spec: ForageSpec | None = None, seed: int = 0,
                  device: str | torch.device = "cpu", final_obs: bool = False,

@@ -162,6 +162,32 @@ def optimizer_launches(params: Iterable[torch.Tensor], **flags) -> Counter:
     return launches(optimizer.step)
 
 
+def profile_stage(stage, cfg, device: torch.device, out: str | os.PathLike,
+                  iterations: int = 1, top: int = 15) -> str:
+    """``python -m labkit profile``: trace ``iterations`` steady-state iterations of ``stage``
+    at ``cfg`` on ``device`` after a warmup (compilation and capture stay out of the trace)
+    into ``out`` (made once the stage is known to run there), and say what it holds: the top
+    ops by self time per iteration (and the CUDA kernels on a GPU) and where the trace is."""
+    from ..capture import warmup
+    from ..files import check_output_dir
+    from ..stages import Pipeline, get_stage
+
+    stage = get_stage(stage)
+    stage.check(device, cfg)  # before the folder is made: nothing is left
+    out = check_output_dir(out)
+    with Pipeline(stage, cfg, device) as pipe:
+        warmup(pipe)
+        prof, path = trace_pipeline(pipe, out, iterations=iterations)
+    lines = [f"{stage.name} on {device}, N={cfg.n_envs} x T={cfg.n_steps}, {iterations} "
+             "iteration(s) after a warmup; top ops by self time per iteration:",
+             top_ops(prof, torch.device("cpu"), n=top, per=iterations)]
+    if device.type == "cuda":
+        lines += ["\nCUDA kernels:", top_ops(prof, device, n=top, per=iterations)]
+    lines.append(f"wrote {path} (open it in https://ui.perfetto.dev, chrome://tracing, or "
+                 f"TensorBoard's PyTorch profiler: tensorboard --logdir {out})")
+    return "\n".join(lines)
+
+
 def trace_pipeline(pipeline, out_dir: str | os.PathLike, iterations: int = 1,
                    name: str | None = None) -> tuple[profile, Path]:
     """Profile ``iterations`` steady-state iterations of ``pipeline`` (warm it up first) and

@@ -1,0 +1,479 @@
+"""What a training run is: its config, its folder, and the one door that judges both.
+
+:func:`open_run` is the only place a run is validated. A new run: the config's device is
+resolved and the stage checked on it (it exists, the stage can run there, the run fits in
+memory, the world size is torchrun's) before anything is written; then the folder (writable,
+its file names free, not holding a run), the TensorBoard folder, the lock, and
+``config.json``. A resumed run: the folder first (a run is there, its files are files), the
+lock, the saved config from ``checkpoint.pt`` or, before the first checkpoint, from
+``config.json`` (the same-run check between the two), then the device and the stage, the
+resume point and the metrics kept. Under torchrun, rank 0 judges and the others receive the
+config it settled on. :class:`Run` holds what the door found, the lock included, and writes
+what belongs to the folder (the metrics kept on resume, the summary).
+
+Files in ``OUT``: ``config.json``, ``metrics.jsonl`` (one line per iteration),
+``checkpoint.pt``, ``summary.json``, ``.lock`` while a process trains there.
+"""
+from __future__ import annotations
+
+import json
+import signal
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import RunConfig, split_run_fields
+from ..device import ALLOWED as DEVICES
+from ..device import resolve_device
+from ..distributed import SINGLE, Group
+from ..files import (
+    FolderLock,
+    check_output_dir,
+    describe_os_error,
+    unique_folder,
+    write_json,
+    write_jsonl,
+)
+from ..logging import TensorBoardSink
+from ..signals import signals_deferred
+from ..stages import default_stage, get_stage
+from ..validate import check_int
+from . import checkpoint
+
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+#: A folder holding any of these holds a run.
+RUN_FILES = (CONFIG, METRICS, checkpoint.FILENAME)
+
+
+@dataclass(frozen=True)
+class NewFolder:
+    """A new run folder, named by ``time.strftime(pattern)`` (``-2``, ``-3``... when taken)
+    once the run is judged valid: what ``train`` writes to when given no folder."""
+
+    pattern: str = "runs/train-%Y%m%d-%H%M%S"
+
+    def __str__(self) -> str:
+        return f"a new folder {self.pattern}"
+
+
+@dataclass
+class TrainConfig:
+    """One training run: a ``RunConfig`` trained by one stage's pipeline for ``total_steps``."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    """What the pipeline runs (N, T, seed, value head, env, PPO). Its ``lr_horizon`` is set to
+    ``n_iterations``: the LR anneals to 0 over the whole run."""
+    stage: str | None = None
+    """Ladder stage whose pipeline trains (0-8 or a name; stages 0-2 are slow on purpose,
+    cuda_graphs needs a bf16 GPU). None: the fastest on the run's device by the recorded
+    ladder (``labkit.stages.DEFAULT_STAGE``), settled when the run opens."""
+    device: str = "auto"
+    """auto (CUDA if present), cpu, cuda or cuda:N."""
+    total_steps: int = 500_000
+    """Env steps of the whole run, rounded down to whole iterations (at least one)."""
+    checkpoint_every: int = 25
+    """Write OUT/checkpoint.pt every this many iterations (0: only at the end and on Ctrl-C)."""
+    world_size: int = 1
+    """Processes of a torchrun run (the CLI sets it from torchrun's WORLD_SIZE); every process
+    steps its own n_envs, and total_steps counts them all."""
+    n_iterations: int = field(init=False)
+    """total_steps // (n_envs * n_steps * world_size), derived."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run, RunConfig):
+            raise TypeError(f"run must be a RunConfig, got {type(self.run).__name__}")
+        self.stage = get_stage(self.stage).name if self.stage is not None else None
+        if not isinstance(self.device, str) or not _device_syntax_ok(self.device):
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
+        check_int("total_steps", self.total_steps, 1)
+        check_int("checkpoint_every", self.checkpoint_every, 0)
+        check_int("world_size", self.world_size, 1)
+        if self.world_size > 1 and self.run.value_head != "plain":
+            raise ValueError("value_head must be plain under torchrun (PopArt's statistics "
+                             "would need an all-reduce of their own)")
+        batch = self.run.batch_size * self.world_size
+        if self.total_steps < batch:
+            raise ValueError(f"total_steps must be at least one batch (n_envs * n_steps * "
+                             f"world_size = {batch}), got {self.total_steps}")
+        self.n_iterations = self.total_steps // batch
+        self.run = self.run.replace(lr_horizon=self.n_iterations)
+
+    @classmethod
+    def flat(cls, **kwargs) -> TrainConfig:
+        """Build from one flat set of keywords: RunConfig fields go to ``run``."""
+        run, own = split_run_fields(kwargs)
+        return cls(run=RunConfig(**run), **own)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (saved in checkpoints and summary.json); derived fields included."""
+        return {"run": self.run.to_dict(), **{f.name: getattr(self, f.name)
+                                              for f in fields(self) if f.name != "run"}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        init = {f.name for f in fields(cls) if f.init}
+        kwargs = {k: v for k, v in data.items() if k in init and k != "run"}
+        return cls(run=RunConfig.from_dict(data["run"]), **kwargs)
+
+
+def _device_syntax_ok(device: str) -> bool:
+    if device == "auto":
+        return True
+    try:
+        return torch.device(device).type in ("cpu", "cuda")
+    except (RuntimeError, ValueError):
+        return False
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """A stop signal (Ctrl-C, SIGTERM, SIGHUP) during training; the message says what was kept
+    (the state of the last finished iteration, or before the first one the run's config) and
+    ``out`` is the run folder to resume."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT,
+                 checkpoint_path: Path | None = None, iteration: int | None = None,
+                 out: Path | None = None) -> None:
+        super().__init__(message)
+        self.signum, self.checkpoint_path, self.iteration = signum, checkpoint_path, iteration
+        self.out = out if out is not None else (checkpoint_path.parent if checkpoint_path
+                                                else None)
+        self.said = message  # what the CLI prints (labkit.signals.Stop's ``said``)
+
+
+class TrainingFailed(RuntimeError):
+    """Training stopped on a fault of the run or the machine (a non-finite loss, a full
+    disk); the message says what happened and where the last good state is."""
+
+
+@dataclass
+class Run:
+    """A run that passed the door: its config, folder and device, where it goes on from, and
+    the folder's lock (released by :meth:`close`). ``saved`` is the checkpoint's payload (None
+    for a new run or one that died before its first checkpoint), ``start`` its iteration,
+    ``kept`` the metrics records of iterations 1..start (rank 0), ``finished`` the summary of
+    a run already complete."""
+
+    cfg: TrainConfig
+    out: Path
+    device: torch.device
+    group: Group = SINGLE
+    saved: dict | None = None
+    start: int = 0
+    kept: list[dict] = field(default_factory=list)
+    finished: dict | None = None
+    lock: FolderLock | None = None
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.out / checkpoint.FILENAME
+
+    def keep_metrics(self) -> None:
+        """On resume, ``metrics.jsonl`` keeps iterations 1..start only (a crash after a
+        checkpoint logged later ones, which run again, or half a line); rank 0 writes."""
+        if self.group.is_main and (self.saved is not None or (self.out / METRICS).exists()):
+            write_jsonl(self.out / METRICS, self.kept)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """summary.json, a stop signal waiting for it (the run is done). If it cannot be
+        written, say what is safe and how to get it: the finished run is in checkpoint.pt."""
+        if not self.group.is_main:
+            return
+        try:
+            with signals_deferred(reraise=False):
+                write_json(self.out / SUMMARY, summary)
+        except OSError as err:
+            raise TrainingFailed(
+                f"could not write {self.out / SUMMARY}: {describe_os_error(err)}. The finished "
+                f"run is safe in {self.checkpoint_path} and {self.out / METRICS}; free space, "
+                f"then python -m labkit train --resume {self.out} writes the summary") from None
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_run(cfg: TrainConfig | None, out: str | Path | NewFolder, *, resume: bool = False,
+             tensorboard: str | Path | None = None, group: Group = SINGLE) -> Run:
+    """The one door of a run (module docstring): judge ``cfg`` and the folder ``out`` (a new
+    run, or ``resume`` the one there, with its saved config: ``cfg`` must then be None or
+    equal to it; a :class:`NewFolder` is made once the config passed) and return the
+    :class:`Run`, its folder locked. ValueError (a user's error) or OSError before anything is
+    written for a new run; under torchrun rank 0's error ends every rank."""
+    out = out if isinstance(out, NewFolder) else Path(out)
+    failure, found = None, None
+    if group.is_main:
+        try:
+            found = _judged(cfg, out, resume, tensorboard, group)
+        except (ValueError, OSError) as err:
+            if group.world == 1:
+                raise
+            failure = err
+    shared = group.broadcast(None if failure is not None or not group.is_main else
+                             (found.cfg.to_dict(), found.saved is not None))
+    if failure is not None:
+        raise failure
+    if shared is None:
+        raise ValueError("rank 0 could not start the run (its error is in its output)")
+    if not group.is_main:
+        cfg = TrainConfig.from_dict(shared[0])
+        saved = checkpoint.load(out / checkpoint.FILENAME) if shared[1] else None
+        cfg, device = _settled(cfg, group)
+        found = Run(cfg, out, device, group, saved)
+    try:
+        _go_on_from(found)
+    except BaseException:
+        found.close()
+        raise
+    return found
+
+
+def _settled(cfg: TrainConfig, group: Group) -> tuple[TrainConfig, torch.device]:
+    """``cfg`` with its stage named (the device's default where it names none) and the device
+    it trains on (this rank's GPU under torchrun): resolved once, the stage checked there (it
+    runs, it fits in memory), the world size torchrun's."""
+    device = group.device(resolve_device(cfg.device))
+    if cfg.stage is None:
+        cfg = replace(cfg, stage=default_stage(device))
+    get_stage(cfg.stage).check(device, cfg.run)  # StageSkipped, a ValueError
+    if cfg.world_size != group.world:
+        raise ValueError(f"world_size is {cfg.world_size} in the config but torchrun started "
+                         f"{group.world} process(es); resume a run with as many as it had")
+    return cfg, device
+
+
+def _judged(cfg: TrainConfig | None, out: Path | NewFolder, resume: bool,
+            tensorboard: str | Path | None, group: Group) -> Run:
+    """Rank 0's judgement (see :func:`open_run`), in the order that writes nothing until
+    the run is known to be valid; the folder is locked when it returns."""
+    if not resume:
+        if cfg is None:
+            raise ValueError("cfg is required unless resume=True")
+        cfg, device = _settled(cfg, group)
+    elif isinstance(out, NewFolder) or not _is_dir(out):
+        raise ValueError(f"--resume {out}: no such run folder")
+    elif not any((out / name).exists() for name in RUN_FILES):
+        raise ValueError(f"no run to resume in {out}: neither {checkpoint.FILENAME} nor "
+                         f"{CONFIG} is there")
+    if tensorboard is not None:  # refused before the run folder is made
+        TensorBoardSink.check_installed()
+        check_output_dir(tensorboard, "--tensorboard")
+    if isinstance(out, NewFolder):
+        out = unique_folder(out.pattern)
+    out = check_output_dir(out, "--resume" if resume else "--out")
+    _check_run_files(out)
+    lock = FolderLock(out).acquire()
+    try:
+        _remove_stale_temporaries(out)
+        if not resume:
+            if any((out / name).exists() for name in RUN_FILES):
+                raise ValueError(f"out folder {out} already holds a run; resume it (--resume "
+                                 f"{out}) or choose another folder")
+            write_json(out / CONFIG, cfg.to_dict())  # a run that dies now can be resumed
+            return Run(cfg, out, device, group, lock=lock)
+        saved_cfg, saved = _saved_run(cfg, out)
+        saved_cfg, device = _settled(saved_cfg, group)
+        return Run(saved_cfg, out, device, group, saved, lock=lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _is_dir(path: Path) -> bool:
+    """Whether ``path`` is a folder; a path the file system refuses to look up (a name too
+    long) is a user error naming the flag."""
+    try:
+        return path.is_dir()
+    except OSError as err:
+        raise ValueError(f"--resume {path}: {err.strerror or err}") from None
+
+
+def _saved_run(cfg: TrainConfig | None, out: Path) -> tuple[TrainConfig, dict | None]:
+    """The saved run's config and its checkpoint payload (None: it died before the first
+    checkpoint and resumes from its start), each checked against the other."""
+    ckpt_path, cfg_path = out / checkpoint.FILENAME, out / CONFIG
+    saved = None
+    if ckpt_path.exists():
+        saved = checkpoint.check(checkpoint.load(ckpt_path), ckpt_path)
+        source, data = ckpt_path, saved["config"]
+    else:
+        source, data = cfg_path, _read_json(cfg_path)
+    try:
+        saved_cfg = TrainConfig.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise checkpoint.CheckpointError(f"{source}: its config is not valid: "
+                                         f"{type(err).__name__}: {err}") from None
+    if cfg is not None and cfg.to_dict() != saved_cfg.to_dict():
+        raise ValueError(f"cfg differs from the config saved in {source}; pass cfg=None to "
+                         "resume with the saved one")
+    if saved is not None:
+        if cfg_path.exists():
+            _check_same_run(saved_cfg, ckpt_path, cfg_path)
+        _check_fits(saved, saved_cfg, ckpt_path)
+    return saved_cfg, saved
+
+
+def _check_fits(saved: dict, cfg: TrainConfig, ckpt_path: Path) -> None:
+    """The checkpoint's iteration, step and ranks fit its own config."""
+    it, step = saved["state"]["iteration"], saved["state"]["global_step"]
+    if it > cfg.n_iterations or step != it * cfg.run.batch_size:
+        raise checkpoint.CheckpointError(
+            f"{ckpt_path}: field 'state.iteration' ({it}) or 'state.global_step' ({step}) "
+            f"does not fit a run of {cfg.n_iterations} iterations of "
+            f"{cfg.run.batch_size} steps")
+    ranks = saved.get("ranks")
+    if cfg.world_size > 1 and (not isinstance(ranks, list) or len(ranks) != cfg.world_size):
+        raise checkpoint.CheckpointError(f"{ckpt_path}: field 'ranks' must hold the state "
+                                         f"of each of its {cfg.world_size} ranks")
+
+
+def _go_on_from(run: Run) -> None:
+    """Where ``run`` goes on from: iteration 0, or the checkpoint's (refused on another kind
+    of device, with torch's intra-op thread count set to the checkpoint's: CPU kernels may
+    split a reduction by thread, and the same count resumes bit for bit), the metrics kept
+    up to it, and the summary of a run already complete."""
+    saved = run.saved
+    if saved is None:
+        run.kept = _read_metrics(run.out / METRICS, 0) if run.group.is_main else []
+        return
+    if torch.device(saved["device"]).type != run.device.type:
+        raise ValueError(f"{run.checkpoint_path} was written on {saved['device']}; resume it "
+                         f"on the same kind of device (got {run.device}): the sampling "
+                         "generator's state is device-specific")
+    if isinstance(saved.get("threads"), int) and saved["threads"] != torch.get_num_threads():
+        torch.set_num_threads(saved["threads"])
+    run.start = saved["state"]["iteration"]
+    if run.start == run.cfg.n_iterations and (run.out / SUMMARY).exists():
+        run.finished = json.loads((run.out / SUMMARY).read_text(encoding="utf-8"))
+        return
+    run.kept = _read_metrics(run.out / METRICS, run.start) if run.group.is_main else []
+
+
+def _read_metrics(path: Path, keep_through: int) -> list[dict]:
+    """The records of iterations 1..``keep_through`` in ``path``. A crash after a checkpoint
+    may have logged later iterations (they will run again) or half a last line: both are
+    dropped. A bad line with good lines after it is damage, not a crash: an error."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept: list[dict] = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                break  # the torn last line of an interrupted write
+            raise ValueError(f"{path} line {number} is not valid JSON (and later lines are); "
+                             "repair or delete that line, then resume") from None
+        if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
+            if number == len(lines):
+                break
+            raise ValueError(f"{path} line {number} is not a metrics record (a JSON object with "
+                             "an integer iteration); repair or delete that line, then resume")
+        if record["iteration"] > keep_through:
+            break
+        if record["iteration"] != len(kept) + 1:  # one record per iteration, in order
+            what = (f"repeats iteration {record['iteration']}"
+                    if record["iteration"] <= len(kept) else
+                    f"skips from iteration {len(kept)} to {record['iteration']}")
+            raise ValueError(f"{path} line {number} {what}: a resumed run would keep the "
+                             "damage; repair or restore the file, then resume")
+        kept.append(record)
+    if len(kept) < keep_through:
+        raise ValueError(f"{path} ends at iteration {len(kept)}, but the checkpoint holds "
+                         f"iteration {keep_through}: its records after {len(kept)} are missing; "
+                         "restore the file, then resume")
+    return kept
+
+
+#: What makes two runs different runs: a checkpoint must agree with its folder's config.json
+#: on these (the run's length and checkpoint interval may differ; they are the saved ones).
+SAME_RUN = ("stage", "run.n_envs", "run.n_steps", "run.seed", "run.value_head", "run.spec",
+            "run.ppo", "world_size")
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    return {k: v for key, value in data.items()
+            for k, v in _flat(value, f"{prefix}.{key}" if prefix else str(key)).items()}
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from ``path``, or CheckpointError naming the file (torn, not JSON, or
+    JSON of another shape)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise checkpoint.CheckpointError(f"{path} is not valid JSON (torn or edited: {err})"
+                                         ) from None
+    if not isinstance(data, dict):
+        raise checkpoint.CheckpointError(f"{path} holds a JSON {type(data).__name__}, not a "
+                                         "run config object")
+    return data
+
+
+def _check_same_run(saved_cfg: TrainConfig, ckpt_path: Path, cfg_path: Path) -> None:
+    """Refuse a checkpoint that belongs to another run than the folder's ``config.json`` (a
+    copied or misplaced file would mix two runs' metrics and models), naming the field."""
+    recover = (f"(the checkpoint holds its own config: to resume it, delete or restore "
+               f"{cfg_path})")
+    try:
+        folder = TrainConfig.from_dict(_read_json(cfg_path)).to_dict()
+    except (KeyError, TypeError, AttributeError, ValueError) as err:
+        raise checkpoint.CheckpointError(f"{cfg_path}: not a valid run config "
+                                         f"({type(err).__name__}: {err}) {recover}") from None
+    ours, theirs = _flat(saved_cfg.to_dict()), _flat(folder)
+    for key in sorted(set(ours) | set(theirs)):
+        same_run_field = any(key == f or key.startswith(f + ".") for f in SAME_RUN)
+        if same_run_field and ours.get(key) != theirs.get(key):
+            raise checkpoint.CheckpointError(
+                f"{ckpt_path} belongs to another run: its {key} is {ours.get(key)!r}, "
+                f"{cfg_path} says {theirs.get(key)!r}; a checkpoint copied from another run "
+                f"folder, or an edited config.json {recover}")
+
+
+def _check_run_files(out: Path) -> None:
+    """Each name the run writes is a file or free: a folder (or a device) in its place is
+    refused at the door, naming it, before the lock is taken or anything is read."""
+    for name in (*RUN_FILES, SUMMARY, FolderLock.NAME):
+        path = out / name
+        if path.exists() and not path.is_file():
+            kind = "a folder" if path.is_dir() else "not a regular file"
+            raise ValueError(f"{path} is {kind}; a run writes a file there: move it away")
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """Delete what an atomic write killed mid-way left (``.checkpoint.pt.XXXX.tmp``: each a
+    whole checkpoint's size). Only with the folder locked: no other writer can own them."""
+    for name in (*RUN_FILES, SUMMARY):
+        for tmp in out.glob(f".{name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+
+def device_type(cfg: TrainConfig | None, out: Path, resume: bool) -> str:
+    """The type of device a torchrun run trains on, known before any rank talks to another
+    (the process group's backend depends on it): from ``cfg``, or for ``resume`` from the
+    run's config.json (every rank sees the folder). Where that cannot be read, "auto"'s
+    choice; rank 0's door then reports what is wrong with the folder."""
+    device = cfg.device if cfg is not None else "auto"
+    if cfg is None and resume:
+        try:
+            saved = json.loads((out / CONFIG).read_text(encoding="utf-8")).get("device")
+            device = saved if isinstance(saved, str) and _device_syntax_ok(saved) else device
+        except (OSError, ValueError, AttributeError):
+            pass
+    try:
+        return resolve_device(device).type
+    except ValueError:  # CUDA named but absent: the door says so in one line
+        return "cpu"
