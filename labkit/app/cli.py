@@ -121,12 +121,6 @@ def _is_dir(path: Path, flag: str) -> bool:
         raise ValueError(f"{flag} {path}: {err.strerror or err}") from None
 
 
-def _check_not_a_folder(path: Path) -> None:
-    from ..files import OutputError
-    if path.is_dir():
-        raise OutputError(f"--out: {path} is a folder; it must be a file name free to write")
-
-
 def cmd_ladder(args: argparse.Namespace) -> int:
     from ..config import BenchConfig, default_profile
     from ..device import resolve_device
@@ -194,29 +188,9 @@ def _num(value: float | None, spec: str) -> str:
 
 
 def cmd_plot_runs(args: argparse.Namespace) -> int:
-    import matplotlib.pyplot as plt
+    from ..book.plots import plot_runs
 
-    from ..book.plots import learning_curves, run_curve
-    from ..files import check_output_dir
-    from ..signals import signals_deferred
-
-    for d in args.runs:
-        if not _is_dir(Path(d), "runs") or not (Path(d) / "metrics.jsonl").is_file():
-            raise ValueError(f"runs: {d} is not a train run folder (no metrics.jsonl in it)")
-    out = Path(args.out)
-    check_output_dir(out.parent, "--out's folder")
-    _check_not_a_folder(out)
-    formats = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
-    if out.suffix[1:].lower() not in formats:
-        raise ValueError(f"--out: {out.name} names no image format matplotlib writes; end it "
-                         f"in one of {', '.join('.' + f for f in sorted(formats))}")
-    curves = {Path(d).name: run_curve(d) for d in args.runs}
-    axes = learning_curves(curves, oracle=args.oracle)
-    with signals_deferred():  # an image half written is worse than none
-        axes[0].figure.savefig(out, dpi=120)
-    plt.close(axes[0].figure)
-    print(f"wrote {out}")
+    print(f"wrote {plot_runs(args.runs, args.out, oracle=args.oracle)}")
     return 0
 
 
@@ -306,6 +280,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line ``error: ...`` (exit 2), like every other."""
 
@@ -315,7 +293,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_bench_env(sub) -> None:
     p = sub.add_parser("bench-env", help="time each Forage implementation")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    _device_flag(p)
     p.add_argument("--repeats", type=_int_at_least(1, 1000), default=5,
                    help="rounds, each timing one episode of every implementation in turn "
                         "(default: %(default)s)")
@@ -334,7 +312,7 @@ def _add_bench_env(sub) -> None:
 
 def _add_ladder(sub) -> None:
     p = sub.add_parser("ladder", help="run every stage, print the table, write JSON + PNG")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    _device_flag(p)
     p.add_argument("--profile", choices=("quick", "full"), default=None,
                    help="default: full on CUDA, quick otherwise")
     p.add_argument("--stages", type=_stage_list, default=None,
@@ -387,7 +365,7 @@ def _add_train(sub) -> None:
 
 def _add_record(sub) -> None:
     p = sub.add_parser("record", help="re-record results and notebooks on this machine")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    _device_flag(p)
     p.add_argument("--profile", choices=("quick", "full", "tiny"), default=None,
                    help="default: full on CUDA, quick otherwise (tiny: seconds, for tests)")
     p.add_argument("--part", "--parts", dest="parts", default="all",
@@ -419,7 +397,7 @@ def _add_report(sub) -> None:
 
 def _add_profile(sub) -> None:
     p = sub.add_parser("profile", help="a torch.profiler trace of steady-state iterations")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    _device_flag(p)
     p.add_argument("--stage", type=_stage, default=None,
                    help=f"{_choices()} ({_default_stage_note()})")
     p.add_argument("--n-envs", type=_positive_int, default=64, help="N (default: %(default)s)")
@@ -454,7 +432,7 @@ def _add_doctor(sub) -> None:
         description="Run a stage for a few iterations under the sync meter, a function watch, a "
                     "memory tracker and dynamo's counters; print what regressed and the "
                     "chapter with the fix. Exit 0 without findings, 1 with, 2 on a usage error.")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    _device_flag(p)
     _add_stage_flags(p, REFERENCE_STAGE, _choices(), **DOCTOR_RUN)
     p.add_argument("--iterations", type=_int_at_least(2, 10_000), default=5,
                    help="timed iterations, 2 to 10,000 (default: %(default)s)")

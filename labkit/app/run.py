@@ -219,16 +219,16 @@ def open_run(cfg: TrainConfig | None, out: str | Path | NewFolder, *, resume: bo
             if group.world == 1:
                 raise
             failure = err
+    # rank 0's settled config, as the object (pickled by torch.distributed), to every rank
     shared = group.broadcast(None if failure is not None or not group.is_main else
-                             (found.cfg.to_dict(), found.saved is not None))
+                             (found.cfg, found.saved is not None))
     if failure is not None:
         raise failure
     if shared is None:
         raise ValueError("rank 0 could not start the run (its error is in its output)")
     if not group.is_main:
-        cfg = TrainConfig.from_dict(shared[0])
         saved = checkpoint.load(out / checkpoint.FILENAME) if shared[1] else None
-        cfg, device = _settled(cfg, group)
+        cfg, device = _settled(shared[0], group)
         found = Run(cfg, out, device, group, saved)
     try:
         _go_on_from(found)

@@ -221,3 +221,35 @@ def time_over_n(rows: list[dict], ax=None, title: str | None = None):
     ax.legend(fontsize=8)
     ax.figure.tight_layout()
     return ax
+
+
+def plot_runs(runs: list[str | Path], out: str | Path, oracle: float | None = None) -> Path:
+    """``python -m labkit plot-runs``: the learning curves of ``train`` run folders against
+    steps and wall time, written whole to the image ``out`` (its suffix names the format).
+    ValueError naming the argument for a folder that holds no run or a format matplotlib does
+    not write, before anything is drawn."""
+    from ..files import OutputError, check_output_dir
+    from ..signals import signals_deferred
+
+    plt = _plt()
+    for d in runs:
+        try:
+            is_run = Path(d).is_dir() and (Path(d) / "metrics.jsonl").is_file()
+        except OSError as err:  # a name the file system refuses to look up
+            raise ValueError(f"runs {d}: {err.strerror or err}") from None
+        if not is_run:
+            raise ValueError(f"runs: {d} is not a train run folder (no metrics.jsonl in it)")
+    out = Path(out)
+    check_output_dir(out.parent, "--out's folder")
+    if out.is_dir():
+        raise OutputError(f"--out: {out} is a folder; it must be a file name free to write")
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if out.suffix[1:].lower() not in formats:
+        raise ValueError(f"--out: {out.name} names no image format matplotlib writes; end it "
+                         f"in one of {', '.join('.' + f for f in sorted(formats))}")
+    axes = learning_curves({Path(d).name: run_curve(d) for d in runs}, oracle=oracle)
+    with signals_deferred():  # an image half written is worse than none
+        axes[0].figure.savefig(out, dpi=120)
+    plt.close(axes[0].figure)
+    return out
