@@ -413,35 +413,8 @@ def crossover(n_envs: Sequence[int] = (32, 256, 1024, 4096), *, spec: ForageSpec
         check_int("threads", threads, 1)
         torch.set_num_threads(threads)
     try:
-        envs = {}
-        for n in sizes:
-            acts = np.random.default_rng(seed).integers(0, N_ACTIONS, (steps, n))
-            for impl in ("ForageNumpy", "ForageTorch"):
-                if impl == "ForageNumpy":
-                    env, actions = ForageNumpy(n, spec, seed), list(acts)
-                else:
-                    env = ForageTorch(n, spec, seed=seed, device=dev)
-                    actions = list(torch.as_tensor(acts, device=dev))
-                states = {"no end": state_at(env, mid),
-                          "every env ends": state_at(env, length - 1),
-                          "out of phase": state_at(env, out_of_phase_steps(n, length))}
-                envs[impl, n] = (env, actions, states)
-        samples: dict[tuple[str, int, str], list[list[float]]] = {}
-        ends: dict[tuple[str, int], int] = {}
-        collecting = gc.isenabled()
-        gc.disable()  # as timeit does: a collection is no part of a step
-        try:
-            for r in range(repeats + 1):  # round 0 warms up, untimed
-                for (impl, n), (env, actions, states) in envs.items():
-                    for case in CROSSOVER_CASES:
-                        seconds, ended = _time_case(env, actions, states[case], case, dev)
-                        if r:
-                            samples.setdefault((impl, n, case), []).append(seconds)
-                        if case == "out of phase":
-                            ends[impl, n] = ended
-        finally:
-            if collecting:
-                gc.enable()
+        envs = _crossover_envs(sizes, spec, seed, steps, mid, dev)
+        samples, ends = _crossover_rounds(envs, repeats, dev)
     finally:
         torch.set_num_threads(previous)
     rows = []
@@ -454,6 +427,49 @@ def crossover(n_envs: Sequence[int] = (32, 256, 1024, 4096), *, spec: ForageSpec
         rows.append(row)
     return {"meta": run_metadata(dev), "rows": rows, "threads": threads or previous,
             "steps": steps, "repeats": repeats, "episode_length": length, "mid_step": mid}
+
+
+def _crossover_envs(sizes: tuple[int, ...], spec: ForageSpec, seed: int, steps: int, mid: int,
+                    dev: torch.device) -> dict:
+    """{(impl, N): (env, its ``steps`` actions, its state in each crossover case)}."""
+    length, envs = spec.episode_length, {}
+    for n in sizes:
+        acts = np.random.default_rng(seed).integers(0, N_ACTIONS, (steps, n))
+        for impl in ("ForageNumpy", "ForageTorch"):
+            if impl == "ForageNumpy":
+                env, actions = ForageNumpy(n, spec, seed), list(acts)
+            else:
+                env = ForageTorch(n, spec, seed=seed, device=dev)
+                actions = list(torch.as_tensor(acts, device=dev))
+            states = {"no end": state_at(env, mid),
+                      "every env ends": state_at(env, length - 1),
+                      "out of phase": state_at(env, out_of_phase_steps(n, length))}
+            envs[impl, n] = (env, actions, states)
+    return envs
+
+
+def _crossover_rounds(envs: dict, repeats: int, dev: torch.device) -> tuple[dict, dict]:
+    """Every env's steps in every case, timed in turn in each of ``repeats`` rounds after an
+    untimed one, with the garbage collector off (as timeit does: a collection is no part of a
+    step): the seconds per step by (impl, N, case), and each env's episode ends out of
+    phase."""
+    samples: dict[tuple[str, int, str], list[list[float]]] = {}
+    ends: dict[tuple[str, int], int] = {}
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(repeats + 1):  # round 0 warms up, untimed
+            for (impl, n), (env, actions, states) in envs.items():
+                for case in CROSSOVER_CASES:
+                    seconds, ended = _time_case(env, actions, states[case], case, dev)
+                    if r:
+                        samples.setdefault((impl, n, case), []).append(seconds)
+                    if case == "out of phase":
+                        ends[impl, n] = ended
+    finally:
+        if collecting:
+            gc.enable()
+    return samples, ends
 
 
 def _per_step(rounds: list[list[float]]) -> float:
