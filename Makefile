@@ -8,14 +8,17 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 STAMP := $(VENV)/.labkit-installed
 
-.PHONY: ladder test lab record report bench-env train lint clean
+.PHONY: ladder test test-fast lab record report bench-env train lint clean
 
 ladder: $(STAMP)  ## the main job: the ladder on the best device, table + JSON + PNG in results/
 	$(BIN)/python -m labkit ladder --out results
 
-test: $(STAMP)  ## unit tests + every notebook under nbval
+test: $(STAMP)  ## unit tests + every notebook under nbval (CI's run), the 25 slowest listed
 	$(BIN)/python -m pytest --nbval --nbval-current-env \
-	    --nbval-sanitize-with tests/nbval_sanitize.cfg tests notebooks
+	    --nbval-sanitize-with tests/nbval_sanitize.cfg --durations=25 tests notebooks
+
+test-fast: $(STAMP)  ## the inner loop, ~1 min on 2 cores: unit tests but the slow ones, no notebooks
+	$(BIN)/python -m pytest -m "not slow and not notebook" --durations=5 tests
 
 lab: $(STAMP)  ## JupyterLab on the notebooks
 	$(BIN)/jupyter lab notebooks

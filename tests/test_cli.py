@@ -23,6 +23,7 @@ def test_bad_stage_lists_are_rejected_by_the_parser(capsys, stages, needle):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ladder_writes_json_and_figures(tmp_path, capsys):
     code = main(["ladder", "--device", "cpu", "--stages", "3,6,8", "--n-envs", "8",
                  "--n-steps", "16", "--iterations", "2", "--scaling-n-envs", "4", "8",

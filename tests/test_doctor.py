@@ -77,6 +77,7 @@ def test_the_plants_are_the_ten_regressions_of_the_reports():
         assert p.slot in get_stage(7).components()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in PLANTS if n != "amp_off"])
 def test_each_plant_is_found_with_its_kind_and_chapter(reports, name):
     report = reports[name]
@@ -91,6 +92,7 @@ def test_each_plant_is_found_with_its_kind_and_chapter(reports, name):
         assert part_name in f.where, (name, f.where)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["item_in_logging", "nan_checks", "per_item_loop"])
 def test_host_reads_are_found_at_the_planted_line(reports, name):
     (f,) = _findings(reports[name], "host_read")
@@ -98,6 +100,7 @@ def test_host_reads_are_found_at_the_planted_line(reports, name):
     assert sites and sites <= _lines(name), (sites, _lines(name))
 
 
+@pytest.mark.slow
 def test_host_read_counts_match_the_plants(reports):
     logging = _findings(reports["item_in_logging"], "host_read")[0].evidence
     assert logging["per_step"] == 1  # the step's mean reward
@@ -108,6 +111,7 @@ def test_host_read_counts_match_the_plants(reports):
     assert loop["per_step"] >= RUN.n_envs  # one per env, more per finished episode
 
 
+@pytest.mark.slow
 def test_unfused_adam_is_found_by_its_launches_not_by_its_counter_reads(reports):
     """Per-parameter Adam reads a CPU step counter per parameter per step: host-scalar reads,
     no sync, so no host_read finding. Its GPU cost is kernel launches per optimizer step, one
@@ -173,12 +177,14 @@ def test_the_verdict_says_within_noise_only_when_the_samples_overlap():
     assert "slower" not in said and "all 2 are within noise" in said
 
 
+@pytest.mark.slow
 def test_cpu_tensor_is_found_at_its_factory(reports):
     (f,) = _findings(reports["cpu_tensor"], "cpu_allocation")
     assert [_where(s["site"]) for s in f.evidence["sites"]] == sorted(_lines("cpu_tensor"))
     assert f.evidence["per_step"] == 1
 
 
+@pytest.mark.slow
 def test_unbounded_buffer_grows_by_one_tensor_per_step(reports):
     (f,) = _findings(reports["unbounded_buffer"], "memory_growth")
     assert f.evidence["attribute"] == "history"
@@ -186,6 +192,7 @@ def test_unbounded_buffer_grows_by_one_tensor_per_step(reports):
     assert f.evidence["bytes_per_iteration"] == RUN.n_steps * 2 * RUN.n_envs * 4
 
 
+@pytest.mark.slow
 def test_excess_ops_against_the_clean_stage(reports):
     (clones,) = _findings(reports["clone_overuse"], "excess_ops")
     assert clones.evidence["ops"]["clone per step (rollout)"] == \
@@ -209,6 +216,7 @@ def test_the_watch_counts_the_codes_own_clones_not_torchs():
     assert site.startswith("tests/test_doctor.py:") and w.counts["clone"][site] == 1
 
 
+@pytest.mark.slow
 def test_branchy_value_head_breaks_the_compiled_loss(reports):
     report = reports["branchy_value_head"]
     (f,) = report.findings
@@ -217,6 +225,7 @@ def test_branchy_value_head_breaks_the_compiled_loss(reports):
     assert "branch" in f.evidence["message"].lower()
 
 
+@pytest.mark.slow
 def test_amp_off_needs_cuda(reports):
     report = reports["amp_off"]
     if torch.cuda.is_available():  # diagnosed on the GPU: fp32 where the clean stage is not
@@ -237,6 +246,7 @@ def test_stage_7_runs_with_the_amp_off_precision_on_any_device():
         assert p.precision.name == "fp32" and torch.isfinite(stats["grad_norm"])
 
 
+@pytest.mark.slow
 def test_the_clean_final_stage_has_no_findings(clean):
     assert clean.status == "ok"
     assert clean.findings == [], clean.format()
@@ -252,6 +262,7 @@ def test_the_clean_final_stage_has_no_findings(clean):
     assert min(clean.iteration_s_samples) <= clean.iteration_s <= max(clean.iteration_s_samples)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_envs", [4, 16])
 def test_the_clean_final_stage_has_no_findings_at_other_sizes(n_envs):
     report = diagnose("fused_amp", cfg=RunConfig(n_envs=n_envs, n_steps=8), device=CPU)
@@ -276,6 +287,7 @@ def test_stage_0_yields_its_device_reads():
     assert report.host_reads["per_update"] == report.host_reads["device"]["per_update"] + 160
 
 
+@pytest.mark.slow
 def test_a_diagnosed_pipeline_is_left_as_it_was():
     with Pipeline(plant("fused_amp", "item_in_logging"), RUN, CPU) as p:
         before = [t.clone() for t in p.agent.state_dict().values()]
@@ -310,6 +322,7 @@ class _RecompilingAgent(Agent):
         return logits, value
 
 
+@pytest.mark.slow
 def test_recompiles_after_warmup_are_found():
     # The update runs eagerly, so only this test's own policy code gathers compiled versions.
     stage = dataclasses.replace(get_stage("fused_amp"), name="recompiling",
@@ -321,6 +334,7 @@ def test_recompiles_after_warmup_are_found():
     assert f.chapter == "06_compile_and_warm_up"
 
 
+@pytest.mark.slow
 def test_a_graphed_stage_is_diagnosed_without_its_graphs():
     graphed = get_stage("cuda_graphs")
     if not torch.cuda.is_available():
@@ -408,6 +422,7 @@ def main(argv: list[str]) -> int:
         return exit.code
 
 
+@pytest.mark.slow
 def test_cli_json_and_exit_codes(capsys):
     assert main([*SMALL, "--stage", "7", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -426,6 +441,7 @@ def test_cli_json_and_exit_codes(capsys):
     assert finding["cost"]["phases"] == ["io"]
 
 
+@pytest.mark.slow
 def test_cli_text_output(capsys):
     assert main([*SMALL, "--plant", "unbounded_buffer"]) == 1
     text = capsys.readouterr().out

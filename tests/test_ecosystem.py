@@ -25,6 +25,7 @@ ROOT = Path(__file__).parents[1]
 # ---------------------------------------------------------------- profiler traces
 
 
+@pytest.mark.slow
 def test_profile_writes_a_trace_with_the_phases_labelled(tmp_path, capsys):
     code = main(["profile", "--device", "cpu", "--stage", "gpu_metrics", "--n-envs", "8",
                  "--n-steps", "16", "--iterations", "2", "--out", str(tmp_path)])
@@ -49,6 +50,7 @@ def test_profile_writes_a_trace_with_the_phases_labelled(tmp_path, capsys):
 # ---------------------------------------------------------------- TensorBoard
 
 
+@pytest.mark.slow
 def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -67,6 +69,7 @@ def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(tmp_path):
                                                            rel=1e-6)
 
 
+@pytest.mark.slow
 def test_tensorboard_shows_replayed_iterations_once_after_a_resume(tmp_path):
     """A session killed after its checkpoint logged iterations the resume runs again; the
     resumed writer purges them, so TensorBoard shows every iteration once."""
@@ -130,6 +133,7 @@ def two_rank_run(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_two_ranks_keep_identical_parameters_and_count_all_steps(two_rank_run):
     summary = json.loads((two_rank_run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2048
@@ -194,6 +198,7 @@ def _same_checkpoints(a_path: Path, b_path: Path) -> None:
             assert torch.equal(x, y)
 
 
+@pytest.mark.slow
 def test_a_two_rank_run_resumes_exactly(two_rank_run, tmp_path):
     out = tmp_path / "split"
     r = torchrun(*TINY, "--total-steps", "2048", "--checkpoint-every", "4", "--out", str(out),

@@ -115,7 +115,8 @@ def test_parity_16_envs_1000_steps() -> None:
                 episode_length=20), 4),  # a full grid: one free cell to respawn on
     (ForageSpec(height=3, width=4, view=1, n_walls=0, n_food=1, n_poison=0,
                 episode_length=7), 5),
-    (ForageSpec(episode_length=1), 6),  # every step ends an episode: 12 layout draws per step
+    # every step ends an episode: 12 layout draws per step
+    pytest.param(ForageSpec(episode_length=1), 6, marks=pytest.mark.slow),
 ])
 def test_parity_other_specs(spec: ForageSpec, seed: int) -> None:
     run_parity(make_envs(spec, 16, seed), 16, 100, action_seed=seed)  # ForageTorchLoop is slow
@@ -249,6 +250,7 @@ def test_step_ops() -> None:
     assert sum(mid.values()) <= 100, mid
 
 
+@pytest.mark.slow
 def test_compiled_step_parity() -> None:
     """torch.compile(ForageTorch.step): one graph, no recompiles across steps and episode
     ends (envs at different steps), outputs bit-exact with the eager step."""

@@ -7,6 +7,7 @@ import pytest
 import labkit
 
 
+@pytest.mark.slow
 def test_import_labkit_is_light_and_the_names_come_when_used():
     code = ("import sys, labkit; print('torch' in sys.modules); labkit.RunConfig; "
             "print('torch' in sys.modules)")

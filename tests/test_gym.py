@@ -13,10 +13,8 @@ import torch
 
 gym = pytest.importorskip("gymnasium")
 
-from labkit.envs import ForageNumpy, ForagePy, ForageSpec, ForageTorch  # noqa: E402
+from labkit.envs import ForageNumpy, ForagePy, ForageTorch  # noqa: E402
 from labkit.envs.gym import ENV_ID, ForageEnv, ForageVectorEnv  # noqa: E402
-
-SPEC = ForageSpec(episode_length=20)
 
 
 def test_the_env_checker_passes_without_warnings():
@@ -32,15 +30,15 @@ def test_the_env_checker_passes_without_warnings():
     assert [str(w.message) for w in caught] == []
 
 
-def test_single_env_episodes_follow_the_reference_stream():
+def test_single_env_episodes_follow_the_reference_stream(short_spec):
     """Episode after episode (reset() after each truncation) equals ForagePy's same-step
     stream; the truncating step returns the episode's own last observation."""
-    env, ref = ForageEnv(SPEC), ForagePy(SPEC, seed=4, final_obs=True)
+    env, ref = ForageEnv(short_spec), ForagePy(short_spec, seed=4, final_obs=True)
     obs, _ = env.reset(seed=4)
     ref_obs = ref.reset()[0]
     rng = np.random.default_rng(0)
     ended = 0
-    for _ in range(3 * SPEC.episode_length):
+    for _ in range(3 * short_spec.episode_length):
         a = int(rng.integers(5))
         obs, reward, term, trunc, info = env.step(a)
         ref_obs, ref_reward, _, ref_trunc, ref_info = ref.step(a)
@@ -59,15 +57,15 @@ def test_single_env_episodes_follow_the_reference_stream():
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
-def test_vector_env_is_the_vectorized_forage_bit_for_bit(backend):
-    envs = gym.make_vec(ENV_ID, num_envs=8, forage=SPEC, backend=backend)
+def test_vector_env_is_the_vectorized_forage_bit_for_bit(backend, short_spec):
+    envs = gym.make_vec(ENV_ID, num_envs=8, forage=short_spec, backend=backend)
     assert isinstance(envs, ForageVectorEnv)
     assert envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.SAME_STEP
     if backend == "numpy":
-        ref = ForageNumpy(8, SPEC, 3, final_obs=True)
+        ref = ForageNumpy(8, short_spec, 3, final_obs=True)
         as_array = np.asarray
     else:
-        ref = ForageTorch(8, SPEC, 3, final_obs=True)
+        ref = ForageTorch(8, short_spec, 3, final_obs=True)
         as_array = torch.as_tensor
     obs, _ = envs.reset(seed=3)
     ref_obs, _ = ref.reset()
@@ -87,16 +85,16 @@ def test_vector_env_is_the_vectorized_forage_bit_for_bit(backend):
         ForageVectorEnv(2, backend="jax")
 
 
-def test_vector_info_has_the_layout_of_gymnasiums_own_vector_env():
+def test_vector_info_has_the_layout_of_gymnasiums_own_vector_env(short_spec):
     """final_obs / final_info and their masks, as SyncVectorEnv(same-step) gives them."""
     n = 4
-    ours = ForageVectorEnv(n, SPEC)
-    theirs = gym.vector.SyncVectorEnv([lambda: ForageEnv(SPEC)] * n,
+    ours = ForageVectorEnv(n, short_spec)
+    theirs = gym.vector.SyncVectorEnv([lambda: ForageEnv(short_spec)] * n,
                                       autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     infos = []
     for envs in (ours, theirs):
         envs.reset(seed=0)
-        for _ in range(SPEC.episode_length):
+        for _ in range(short_spec.episode_length):
             *_, trunc, info = envs.step(np.zeros(n, dtype=np.int64))
         assert trunc.all()
         infos.append(info)

@@ -229,6 +229,7 @@ def test_bad_values_raise(cls):
         AsyncLogger(io.StringIO(), max_queue=0)
 
 
+@pytest.mark.slow
 def test_async_flushes_at_interpreter_exit(tmp_path):
     path = tmp_path / "log.jsonl"
     script = textwrap.dedent("""

@@ -100,12 +100,12 @@ def test_the_wait_meter_reads_the_kernel_and_counts_a_sleep_as_no_wait():
         assert w.share < 0.5  # asleep is not runnable: no run-queue wait
 
 
-def test_threads_choice_is_recorded_and_overridable():
+def test_threads_choice_is_recorded_and_overridable(cpu):
     saved = torch.get_num_threads()
     try:
-        note = noise.choose_threads(torch.device("cpu"), 1)
+        note = noise.choose_threads(cpu, 1)
         assert note["threads"] == torch.get_num_threads() == 1 and note["chosen_by"] == "--threads"
-        note = noise.choose_threads(torch.device("cpu"))
+        note = noise.choose_threads(cpu)
         assert 1 <= note["threads"] <= note["cores"] == noise.cores()
         assert note["threads"] == max(1, note["cores"] - note["others_running"])
     finally:

@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).parents[1]
 
 
+@pytest.mark.slow
 def test_pytest_imports_this_checkout_where_labkit_is_not_installed(tmp_path):
     """pyproject's ``pythonpath``: the bare ``pytest`` command (not ``python -m pytest``, which
     adds the working directory itself) imports labkit from the tree it runs in."""

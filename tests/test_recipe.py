@@ -50,9 +50,9 @@ def test_the_recipe_imports_nothing_from_labkit():
     assert 200 < len(text.splitlines()) < 600  # one readable file, every Args field explained
 
 
-def test_the_env_is_bit_exact_with_forage_torch():
+def test_the_env_is_bit_exact_with_forage_torch(cpu):
     args, run = _configs("cpu", n_envs=16, episode_length=10)
-    ours, ref = recipe.Forage(args, torch.device("cpu")), ForageTorch(16, run.spec, args.seed)
+    ours, ref = recipe.Forage(args, cpu), ForageTorch(16, run.spec, args.seed)
     assert torch.equal(ours.observation(), ref.observation())
     gen = torch.Generator().manual_seed(0)
     for _ in range(45):  # four resets

@@ -28,16 +28,17 @@ ROOT = Path(__file__).parents[1]
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
+def recorded(tmp_path_factory, cpu):
     out = tmp_path_factory.mktemp("results")
     said = []
-    seconds = record(torch.device("cpu"), "tiny", out,
+    seconds = record(cpu, "tiny", out,
                      parts=("ladder", "scaling", "bench_env", "learning", "report"),
                      notebooks="none", allow_dirty=True, stages=["batched_ops", "async_logging"],
                      say=said.append)
     return out, seconds, said
 
 
+@pytest.mark.slow
 def test_record_writes_every_promised_file_with_one_commit(recorded):
     out, seconds, said = recorded
     assert list(seconds) == ["ladder-3", "ladder-4", "scaling-8", "bench_env", "learning",
@@ -58,6 +59,7 @@ def test_record_writes_every_promised_file_with_one_commit(recorded):
     assert all(p["wall_s"] > 0 for p in curve)
 
 
+@pytest.mark.slow
 def test_the_report_is_generated_from_the_json(recorded):
     out, _, _ = recorded
     text = (out / "RESULTS.md").read_text()
@@ -74,14 +76,14 @@ def test_the_readme_shows_the_report_byte_for_byte():
     assert section == "\n" + readme_section(ROOT / "results")
 
 
-def test_record_refuses_modified_code(monkeypatch, tmp_path):
+def test_record_refuses_modified_code(monkeypatch, tmp_path, cpu):
     import labkit.app.record
     monkeypatch.setattr(labkit.app.record, "_dirty_code", lambda: ["labkit/stages.py"])
     with pytest.raises(RecordError, match="labkit/stages.py"):
-        record(torch.device("cpu"), "tiny", tmp_path, parts=("report",))
+        record(cpu, "tiny", tmp_path, parts=("report",))
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(RecordError, match=r"parts \(--parts\) must be among"):
-        record(torch.device("cpu"), "tiny", tmp_path, parts=("everything",), allow_dirty=True)
+        record(cpu, "tiny", tmp_path, parts=("everything",), allow_dirty=True)
 
 
 # ---------------------------------------------------------------- parts
@@ -102,6 +104,7 @@ def _record(out, parts, **kwargs):
                   allow_dirty=True, stages=TWO, say=lambda line: None, **kwargs)
 
 
+@pytest.mark.slow
 def test_parts_recorded_one_by_one_merge_into_what_one_run_writes(tmp_path):
     whole, split, apart = tmp_path / "whole", tmp_path / "split", tmp_path / "apart"
     _record(whole, "ladder,scaling", run="one")
@@ -136,6 +139,7 @@ def test_parts_recorded_one_by_one_merge_into_what_one_run_writes(tmp_path):
     assert log["ladder-4"]["run"] == "again" and log["ladder-4"]["seconds"] > 0
 
 
+@pytest.mark.slow
 def test_an_interrupted_batch_keeps_the_rows_of_the_batches_that_finished(tmp_path,
                                                                           monkeypatch):
     """The ladder parts of one command are one batch, timed together in interleaved rounds:
@@ -170,6 +174,7 @@ def test_an_interrupted_batch_keeps_the_rows_of_the_batches_that_finished(tmp_pa
     assert result["scaling"] == swept
 
 
+@pytest.mark.slow
 def test_a_signal_during_record_keeps_the_rows_and_exits_128_plus_n(tmp_path):
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "labkit", "record", "--device", "cpu", "--profile", "tiny",
@@ -230,6 +235,7 @@ def test_record_usage_errors_exit_2(tmp_path, capsys, argv, needle):
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_a_run_id_is_refused_on_another_machine(tmp_path):
     _record(tmp_path, "ladder-3", run="r1")
     path = tmp_path / "ladder_cpu_tiny.json"
@@ -240,16 +246,16 @@ def test_a_run_id_is_refused_on_another_machine(tmp_path):
         _record(tmp_path, "ladder-4", run="r1")
 
 
-def test_a_tree_without_git_names_its_commit(monkeypatch):
+def test_a_tree_without_git_names_its_commit(monkeypatch, cpu):
     from labkit.device import git_commit, run_metadata
 
     monkeypatch.setenv("LABKIT_GIT_COMMIT", "0123456789abcdef0123456789abcdef01234567")
     assert git_commit() == "0123456"
-    meta = run_metadata(torch.device("cpu"))
+    meta = run_metadata(cpu)
     assert meta["git_commit"] == "0123456"
     assert meta["git_commit_source"].startswith("LABKIT_GIT_COMMIT (the tree was not checked")
     monkeypatch.setenv("LABKIT_GIT_COMMIT", "")
-    assert run_metadata(torch.device("cpu"))["git_commit_source"] == "git"
+    assert run_metadata(cpu)["git_commit_source"] == "git"
 
 
 def test_one_row_model_renders_text_and_markdown_alike():

@@ -95,9 +95,9 @@ def test_warmup_restore_and_reset_with_graphs(stage_7):
         assert p.global_step == 0 and {k: float(v) for k, v in p.iteration().items()} == first
 
 
-def test_measure_stage_8_is_ok_with_one_read_per_iteration():
+def test_measure_stage_8_is_ok_with_one_read_per_iteration(cpu):
     with rehearsal():
-        row = measure_stage(GRAPHED, BenchConfig(run=RUN, iterations=2), torch.device("cpu"))
+        row = measure_stage(GRAPHED, BenchConfig(run=RUN, iterations=2), cpu)
     assert row["status"] == "ok", row["status"]
     assert row["host_reads_rollout_per_step"] == 0 and row["host_reads_per_iter"] == 1
 

@@ -163,6 +163,7 @@ def test_a_full_disk_during_training_is_one_line_and_keeps_the_checkpoint(tmp_pa
 # ---------------------------------------------------------------- 2. a stuck run folder
 
 
+@pytest.mark.slow
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_its_start(tmp_path):
     out = tmp_path / "r"
     proc = start_training(out, "--total-steps", "640", "--checkpoint-every", "0",
@@ -198,6 +199,7 @@ def test_files_written_atomically_get_the_permissions_of_any_new_file(tmp_path, 
 # ---------------------------------------------------------------- 3. and 4. signals
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_save_and_exit_128_plus_signal(tmp_path, sig):
     out = tmp_path / "r"
@@ -220,6 +222,7 @@ def slow_save_prefix(marker: Path) -> str:
             "    time.sleep(1.5)\n    return _save(path, payload)\nc.save = slow_save")
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_during_the_save_does_not_lose_it(tmp_path):
     out = tmp_path / "r"
     marker = tmp_path / "saving"
@@ -236,6 +239,7 @@ def test_a_second_ctrl_c_during_the_save_does_not_lose_it(tmp_path):
     assert f"state after iteration {iteration}" in err and iteration >= 1
 
 
+@pytest.mark.slow
 def test_a_stop_during_a_periodic_save_stops_training_after_it(tmp_path):
     out = tmp_path / "r"
     marker = tmp_path / "saving"
@@ -324,7 +328,8 @@ def _bench_env(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["bench-env-round-2", "bench-env-round-1", "doctor",
-                                  "profile", "ladder-figures"])
+                                  "profile",
+                                  pytest.param("ladder-figures", marks=pytest.mark.slow)])
 def test_every_command_stops_alike_on_a_signal(tmp_path, monkeypatch, capsys, case):
     """bench-env, doctor, profile and ladder (also while writing figures): one line, exit
     128 + the signal, and what finished is kept (C-bench-env-SIGTERM, C-doctor-SIGTERM,
@@ -367,6 +372,7 @@ def test_every_command_stops_alike_on_a_signal(tmp_path, monkeypatch, capsys, ca
 # ---------------------------------------------------------------- 5. one run per folder
 
 
+@pytest.mark.slow
 def test_a_second_process_cannot_write_to_a_folder_in_use(tmp_path, capsys):
     out = tmp_path / "r"
     proc = start_training(out, "--checkpoint-every", "1")
@@ -507,6 +513,7 @@ def test_a_trace_the_profiler_could_not_write_is_named(tmp_path, monkeypatch, ca
 # ---------------------------------------------------------------- 7. and 8. the ladder
 
 
+@pytest.mark.slow
 def test_ladder_keeps_what_it_measured_on_ctrl_c(tmp_path, capsys, monkeypatch):
     """The stages at one N are measured together (their rounds interleaved), so what a Ctrl-C
     keeps is every group that finished: here the ladder, stopped in the scaling sweep."""
@@ -738,15 +745,14 @@ def test_resuming_a_finished_run_changes_nothing(copy_of, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["compile_warmup", "fused_amp"])
-def test_rebuilding_compiled_pipelines_does_not_grow_memory(stage):
+def test_rebuilding_compiled_pipelines_does_not_grow_memory(stage, tiny_run):
     """Building a pipeline used to reset dynamo and compile afresh each time (memory grew with
     every rebuild); compiled code is now shared by every pipeline of the same shapes."""
     psutil = pytest.importorskip("psutil")
     proc = psutil.Process()
-    cfg = RunConfig(n_envs=8, n_steps=16)
     rss = []
     for _ in range(10):
-        with Pipeline(stage, cfg, "cpu") as p:
+        with Pipeline(stage, tiny_run, "cpu") as p:
             p.iteration()
         del p
         gc.collect()
@@ -757,11 +763,10 @@ def test_rebuilding_compiled_pipelines_does_not_grow_memory(stage):
 # ---------------------------------------------------------------- 13. API edges
 
 
-def test_api_edges_give_clear_errors():
-    cfg = RunConfig(n_envs=8, n_steps=16)
-    with Pipeline(get_stage(7), cfg, "cpu") as p:
+def test_api_edges_give_clear_errors(tiny_run):
+    with Pipeline(get_stage(7), tiny_run, "cpu") as p:
         assert p.device.type == "cpu"
-    with Pipeline(3, cfg, "cpu") as p:
+    with Pipeline(3, tiny_run, "cpu") as p:
         assert p.stage.name == "batched_ops"
     with pytest.raises(ValueError, match="stage must be one of"):
         get_stage(True)
@@ -802,6 +807,7 @@ def test_a_writer_error_surfaces_at_the_next_log():
         logger.log(4, x=4)
 
 
+@pytest.mark.slow
 def test_a_dropped_logger_reports_its_error_on_stderr(tmp_path):
     script = ("import io\nfrom labkit.logging import AsyncLogger\n"
               "class Bad(io.StringIO):\n"
@@ -989,6 +995,7 @@ def test_check_output_dir_explains_itself(tmp_path):
     assert os.listdir(tmp_path / "new" / "deep") == []  # the probe file is gone
 
 
+@pytest.mark.slow
 def test_a_path_the_terminal_cannot_encode_does_not_fail_a_finished_run(tmp_path):
     """A non-UTF-8 byte in --out, printed to a strict UTF-8 stdout (an en_US.UTF-8 terminal):
     the run finishes, its summary line shows the byte escaped, and it exits 0 (issue 23, G5)."""

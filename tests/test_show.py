@@ -1,5 +1,5 @@
 """The chapters' helpers: labkit's own source, what a stage changes, profiler tables."""
-import torch
+import pytest
 
 from labkit.book.show import changed_slots, diff, reads_table, source, stage_table
 from labkit.capture import warmup
@@ -29,12 +29,13 @@ def test_reads_table_sorts_and_divides():
     assert text.splitlines()[1:] == ["          32  b.py:2 (g)", "           2  a.py:1 (f)"]
 
 
-def test_profiler_tables_count_ops():
+@pytest.mark.slow
+def test_profiler_tables_count_ops(cpu):
     with Pipeline(3, RunConfig(n_envs=8, n_steps=8), "cpu") as p:
         warmup(p)
         prof = profile_calls(p.iteration, p.device, calls=2)
     counts = op_counts(prof)
     # 4 epochs x 4 minibatches x 2 iterations of one conv-conv-linear forward + backward
     assert counts["aten::convolution_backward"] == 2 * 16 * 2
-    table = top_ops(prof, torch.device("cpu"), n=5, per=2).splitlines()
+    table = top_ops(prof, cpu, n=5, per=2).splitlines()
     assert table[0].split()[:2] == ["op", "calls"] and len(table) == 6

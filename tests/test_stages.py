@@ -519,13 +519,13 @@ def test_cuda_measure_stage_8():
 
 @pytest.mark.parametrize("stage, env", [(3, "ForageNumpy"), (1, "ForageTorch"),
                                         (0, "ForageNumpy")])
-def test_a_collector_refuses_an_env_it_cannot_step(stage, env):
+def test_a_collector_refuses_an_env_it_cannot_step(stage, env, cpu):
     """The env-collector pairing is declared (``Collector.accepts``) and a wrong one is refused
     the way a missing device is: a skip reason, and StageSkipped from the Pipeline."""
     import labkit.envs
 
     wrong = dataclasses.replace(STAGES[stage], env=getattr(labkit.envs, env))
-    reason = wrong.skip_reason(torch.device("cpu"))
+    reason = wrong.skip_reason(cpu)
     assert reason and f"cannot step {env}" in reason
     with pytest.raises(StageSkipped, match=f"cannot step {env}"):
         Pipeline(wrong, RunConfig(n_envs=2, n_steps=4), "cpu")

@@ -72,13 +72,13 @@ def test_cuda_blocking_copy_and_sync_debug_mode():
     assert m.cuda_syncs >= 1
 
 
-def test_call_sites_name_the_line_and_what_torch_did_for_it():
+def test_call_sites_name_the_line_and_what_torch_did_for_it(cpu):
     from labkit.policy import Agent
     from labkit.ppo import PPOConfig
     from labkit.update import Adam
 
     agent = Agent()
-    opt = Adam()(agent.parameters(), PPOConfig(), torch.device("cpu"))
+    opt = Adam()(agent.parameters(), PPOConfig(), cpu)
     logits, value = agent(torch.rand(2, 3, 7, 7))
     (logits.sum() + value.sum()).backward()
 
@@ -269,16 +269,14 @@ def test_on_a_gpu_run_a_cpu_tensor_is_a_host_read_by_construction():
 
 
 @pytest.mark.parametrize("foreach", [False, True])
-def test_stage_reads_split_as_on_a_gpu(foreach):
+def test_stage_reads_split_as_on_a_gpu(foreach, tiny_run):
     """Stage 6 reads each Adam counter (host-scalar) and the metrics once (device); stage 7
     only the metrics (the issue's N=8, T=16 measurement)."""
-    from labkit.config import RunConfig
     from labkit.stages import STAGES, Pipeline
 
-    run = RunConfig(n_envs=8, n_steps=16)
     split = {}
     for index in (6, 7):
-        with Pipeline(STAGES[index], run, "cpu") as p:
+        with Pipeline(STAGES[index], tiny_run, "cpu") as p:
             if foreach and index == 6:
                 for group in p.optimizer.param_groups:
                     group["foreach"] = True

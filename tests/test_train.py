@@ -186,7 +186,7 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, reference_run
     assert untimed(read_metrics(split)) == untimed(read_metrics(one_go))
 
 
-def test_fused_optimizer_state_restores_in_place():
+def test_fused_optimizer_state_restores_in_place(cpu):
     """Stage 7's fused Adam keeps its LR as a device tensor that compiled code and graphs hold:
     restore must write into it, not replace it. (Compile is off here: a CPU compile takes a
     minute; it does not change what is saved.)"""
@@ -196,7 +196,7 @@ def test_fused_optimizer_state_restores_in_place():
                     lr_horizon=4)
 
     def pipeline() -> Pipeline:
-        return Pipeline(stage, cfg, torch.device("cpu"))
+        return Pipeline(stage, cfg, cpu)
 
     a = pipeline()
     for _ in range(2):
@@ -298,6 +298,7 @@ def test_failed_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch, refe
     assert list(tmp_path.iterdir()) == [path]  # the torn temporary file was removed
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL (POSIX)")
 def test_kill_during_write_leaves_the_previous_checkpoint(tmp_path, reference_run):
     """A process killed after writing the new file but before renaming it over the old one
