@@ -65,3 +65,46 @@ def test_config_flags_take_help_and_defaults_from_the_config_fields():
                     f"{docs[name]} (default: {defaults[name]})"
                 assert train[name].default is None  # unset: the config's (or resumed run's)
     assert train["value_head"].choices == ("plain", "popart")
+
+
+def test_one_exit_mapper_maps_every_way_a_command_ends(monkeypatch, capsys):
+    """cli.main alone turns how a command ended into an exit code and at most one line:
+    commands return a code or raise (issue 36)."""
+    import signal as sig
+
+    import pytest
+
+    from labkit.app import cli
+    from labkit.app.run import TrainingFailed
+    from labkit.signals import Stop
+
+    def ending(outcome):
+        def command(args):
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+        monkeypatch.setattr(cli, "cmd_report", command)
+        monkeypatch.setattr(cli, "_silence_stdout", lambda: None)  # keep pytest's stdout
+        code = cli.main(["report"])
+        return code, capsys.readouterr().err.strip()
+
+    oom = RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")
+    oom.add_note("labkit: runs/x/checkpoint.pt holds the state after iteration 7")
+    assert ending(7) == (7, "")  # a command (a user's script, say) may return its own code
+    assert ending(ValueError("--out: bad")) == (2, "error: --out: bad")
+    assert ending(OSError(28, "No space left on device")) == (1, "error: No space left on "
+                                                                "device")
+    assert ending(TrainingFailed("the loss became non-finite")) == (
+        1, "error: the loss became non-finite")
+    assert ending(oom) == (1, "error: out of memory in report: CUDA out of memory. Tried to "
+                              "allocate 2 GiB; runs/x/checkpoint.pt holds the state after "
+                              "iteration 7")
+    assert ending(MemoryError())[0] == 1
+    assert ending(Stop(sig.SIGTERM, said="interrupted by SIGTERM: 3 rows kept")) == (
+        128 + sig.SIGTERM, "interrupted by SIGTERM: 3 rows kept")
+    assert ending(KeyboardInterrupt()) == (130, "interrupted by SIGINT: report stopped; each "
+                                                "file it writes is replaced whole or not at "
+                                                "all")
+    assert ending(BrokenPipeError()) == (128 + sig.SIGPIPE, "")  # `labkit ... | head`: quiet
+    with pytest.raises(RuntimeError, match="a bug"):  # a bug keeps its traceback
+        ending(RuntimeError("a bug"))
