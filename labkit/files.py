@@ -90,6 +90,15 @@ def write_jsonl(path: str | os.PathLike, records: list[dict]) -> Path:
     return Path(path)
 
 
+def is_dir(path: str | os.PathLike, flag: str) -> bool:
+    """Whether ``path`` is a folder; a path the file system refuses to look up (a name too
+    long) is a user error naming ``flag``."""
+    try:
+        return Path(path).is_dir()
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: {err.strerror or err}") from None
+
+
 class OutputError(ValueError):
     """An output path that cannot be used; the message names the path and why."""
 

@@ -112,15 +112,6 @@ def cmd_bench_env(args: argparse.Namespace) -> int:
                      n_envs=args.n_envs, compiled=args.compiled, compile_loop=args.compile_loop)
 
 
-def _is_dir(path: Path, flag: str) -> bool:
-    """Whether ``path`` is a folder; a path the file system refuses to look up (a name too
-    long) is a user error naming ``flag``."""
-    try:
-        return path.is_dir()
-    except OSError as err:
-        raise ValueError(f"{flag} {path}: {err.strerror or err}") from None
-
-
 def cmd_ladder(args: argparse.Namespace) -> int:
     from ..config import BenchConfig, default_profile
     from ..device import resolve_device
@@ -269,10 +260,10 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from ..files import check_output_dir
+    from ..files import check_output_dir, is_dir
     from .report import write_report
 
-    if not _is_dir(Path(args.results), "--results"):
+    if not is_dir(args.results, "--results"):
         raise ValueError(f"--results: {args.results!r} is not a folder (make record writes one)")
     check_output_dir(args.results, "--results")  # RESULTS.md is written there: refused up front
     for path in write_report(args.results):

@@ -32,6 +32,7 @@ from ..files import (
     FolderLock,
     check_output_dir,
     describe_os_error,
+    is_dir,
     unique_folder,
     write_json,
     write_jsonl,
@@ -260,7 +261,7 @@ def _judged(cfg: TrainConfig | None, out: Path | NewFolder, resume: bool,
         if cfg is None:
             raise ValueError("cfg is required unless resume=True")
         cfg, device = _settled(cfg, group)
-    elif isinstance(out, NewFolder) or not _is_dir(out):
+    elif isinstance(out, NewFolder) or not is_dir(out, "--resume"):
         raise ValueError(f"--resume {out}: no such run folder")
     elif not any((out / name).exists() for name in RUN_FILES):
         raise ValueError(f"no run to resume in {out}: neither {checkpoint.FILENAME} nor "
@@ -287,15 +288,6 @@ def _judged(cfg: TrainConfig | None, out: Path | NewFolder, resume: bool,
     except BaseException:
         lock.release()
         raise
-
-
-def _is_dir(path: Path) -> bool:
-    """Whether ``path`` is a folder; a path the file system refuses to look up (a name too
-    long) is a user error naming the flag."""
-    try:
-        return path.is_dir()
-    except OSError as err:
-        raise ValueError(f"--resume {path}: {err.strerror or err}") from None
 
 
 def _saved_run(cfg: TrainConfig | None, out: Path) -> tuple[TrainConfig, dict | None]:

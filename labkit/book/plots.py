@@ -228,16 +228,12 @@ def plot_runs(runs: list[str | Path], out: str | Path, oracle: float | None = No
     steps and wall time, written whole to the image ``out`` (its suffix names the format).
     ValueError naming the argument for a folder that holds no run or a format matplotlib does
     not write, before anything is drawn."""
-    from ..files import OutputError, check_output_dir
+    from ..files import OutputError, check_output_dir, is_dir
     from ..signals import signals_deferred
 
     plt = _plt()
     for d in runs:
-        try:
-            is_run = Path(d).is_dir() and (Path(d) / "metrics.jsonl").is_file()
-        except OSError as err:  # a name the file system refuses to look up
-            raise ValueError(f"runs {d}: {err.strerror or err}") from None
-        if not is_run:
+        if not is_dir(d, "runs") or not (Path(d) / "metrics.jsonl").is_file():
             raise ValueError(f"runs: {d} is not a train run folder (no metrics.jsonl in it)")
     out = Path(out)
     check_output_dir(out.parent, "--out's folder")
