@@ -13,14 +13,8 @@ import pytest
 import torch
 
 from labkit.app import cli
-from labkit.app.record import (
-    PART_BUDGET_MIN,
-    commands,
-    estimates,
-    format_plan,
-    plan,
-    record,
-)
+from labkit.app.plan import PART_BUDGET_MIN, commands, estimates, format_plan, plan
+from labkit.app.record import record
 from labkit.app.report import README_BEGIN, README_END, readme_section, results_markdown
 from labkit.app.results import RecordError
 

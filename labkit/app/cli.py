@@ -190,7 +190,9 @@ def cmd_record(args: argparse.Namespace) -> int:
     from ..device import resolve_device
     from ..files import check_output_dir
     from ..signals import Stop, signum_of, stop_signals
-    from .record import check_run_id, format_plan, plan, record, select
+    from .plan import format_plan, plan, select
+    from .record import record
+    from .results import check_run_id
 
     device = resolve_device(args.device)
     profile = args.profile or default_profile(device)
