@@ -1139,6 +1139,6 @@ def test_more_flags_name_themselves(tmp_path, capsys, monkeypatch, argv, needle)
 
 
 def test_a_stage_named_twice_is_measured_once():
-    from labkit.app.cli import _stage_list
+    from labkit.app.flags import stage_list
 
-    assert [s.index for s in _stage_list("3,3,batched_ops,4")] == [3, 4]
+    assert [s.index for s in stage_list("3,3,batched_ops,4")] == [3, 4]

@@ -8,100 +8,41 @@ is, and exit 1. Ctrl-C, SIGTERM and SIGHUP keep what finished and exit 128 + the
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
-
-def _int_at_least(low: int, high: int | None = None):
-    """An argparse type: an integer >= ``low`` (and <= ``high``: counts of work that a typo
-    would turn into hours are bounded)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low or (high is not None and value > high):
-            expected = f"an integer >= {low}" if high is None else \
-                f"an integer in [{low}, {high:,}]"
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-    return parse
-
-
-def _default(cls: type, name: str) -> object:
-    """The default of dataclass ``cls``'s field ``name``: a flag's help shows the config's
-    own value, never a copy of it."""
-    import dataclasses
-
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+from .flags import (
+    choices,
+    default_stage_note,
+    device_flag,
+    field_flag,
+    finite_float,
+    int_at_least,
+    non_negative_int,
+    path,
+    positive_int,
+    stage,
+    stage_flags,
+    stage_list,
+)
 
 
-def _field_flag(p: argparse.ArgumentParser, cls: type, name: str, parse, *,
-                default_note: str | None = None, **kwargs) -> None:
-    """``--name`` for field ``name`` of config dataclass ``cls``: its help is the field's
-    docstring and the config's default (or ``default_note``). The flag itself defaults to None:
-    unset, the config's value (or a resumed run's, or a profile's) applies."""
-    from ..config import field_docs
+def _device_and_profile(args: argparse.Namespace) -> tuple:
+    """The device, and the profile: the flag's, or the device's default."""
+    from ..config import default_profile
+    from ..device import resolve_device
 
-    note = default_note if default_note is not None else f"default: {_default(cls, name)}"
-    text = f"{field_docs(cls)[name]} ({note})".replace("%", "%%")
-    p.add_argument("--" + name.replace("_", "-"), type=parse, default=None, help=text, **kwargs)
+    device = resolve_device(args.device)
+    return device, args.profile or default_profile(device)
 
 
-def _path(text: str) -> str:
-    """A path flag's value: an empty or blank string is refused (it would mean "here")."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
-    return text
+def _planted(args: argparse.Namespace) -> tuple:
+    """The doctor's and the rehearsal's stage (with --plant's regression) and run config."""
+    from ..config import RunConfig
+    from ..doctor.plants import plant
 
-
-_positive_int = _int_at_least(1)
-_non_negative_int = _int_at_least(0)
-
-
-def _stage_list(text: str) -> list:
-    from ..stages import describe_choices, get_stage
-    parts = [part.strip() for part in text.split(",")]
-    if not any(parts):
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated stages ({describe_choices()}), got {text!r}")
-    try:
-        stages = [get_stage(part) for part in parts if part]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return list({s.name: s for s in stages}.values())  # a stage named twice runs once
-
-
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def _choices() -> str:
-    from ..stages import describe_choices
-    return describe_choices()
-
-
-def _default_stage_note() -> str:
-    """The default stage, said once: the fastest on the device by the recorded ladder."""
-    from ..stages import DEFAULT_STAGE
-    each = ", ".join(f"{name} on {kind}" for kind, name in DEFAULT_STAGE.items())
-    return f"default: the fastest on the device by the recorded ladder: {each}"
-
-
-def _stage(text: str) -> str:
-    from ..stages import get_stage
-    try:
-        return get_stage(text).name
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+    chosen = plant(args.stage, args.plant) if args.plant else args.stage
+    return chosen, RunConfig(n_envs=args.n_envs, n_steps=args.n_steps)
 
 
 def cmd_bench_env(args: argparse.Namespace) -> int:
@@ -113,12 +54,10 @@ def cmd_bench_env(args: argparse.Namespace) -> int:
 
 
 def cmd_ladder(args: argparse.Namespace) -> int:
-    from ..config import BenchConfig, default_profile
-    from ..device import resolve_device
+    from ..config import BenchConfig
     from .ladder import ladder
 
-    device = resolve_device(args.device)
-    profile = args.profile or default_profile(device)
+    device, profile = _device_and_profile(args)
     overrides = {k: v for k, v in (("n_envs", args.n_envs), ("n_steps", args.n_steps),
                                    ("iterations", args.iterations)) if v is not None}
     if args.scaling_n_envs:
@@ -186,16 +125,13 @@ def cmd_plot_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from ..config import default_profile
-    from ..device import resolve_device
     from ..files import check_output_dir
     from ..signals import Stop, signum_of, stop_signals
     from .plan import format_plan, plan, select
     from .record import record
     from .results import check_run_id
 
-    device = resolve_device(args.device)
-    profile = args.profile or default_profile(device)
+    device, profile = _device_and_profile(args)
     todo = select(plan(profile, args.notebooks), args.parts)
     if args.run is not None:
         check_run_id(args.run)
@@ -234,29 +170,22 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     """``diagnose`` a stage: 0 without findings, 1 with findings."""
     import json
 
-    from ..config import RunConfig
     from ..doctor import diagnose
-    from ..doctor.plants import plant
 
-    stage = plant(args.stage, args.plant) if args.plant else args.stage
-    report = diagnose(stage, iterations=args.iterations,
-                      cfg=RunConfig(n_envs=args.n_envs, n_steps=args.n_steps), device=args.device)
+    chosen, cfg = _planted(args)
+    report = diagnose(chosen, iterations=args.iterations, cfg=cfg, device=args.device)
     print(json.dumps(report.to_dict()) if args.json else report.format())
     return 1 if report.findings else 0
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
-    from ..config import RunConfig
-    from ..doctor.plants import plant
     from ..doctor.rehearsal import rehearse_stage
 
     if args.device != "cpu":
         raise ValueError(f"--device must be cpu, got {args.device!r}: a rehearsal stands in "
                          "for CUDA on the CPU; with a GPU, run the stage itself (python -m "
                          "labkit doctor --stage 8 --device cuda)")
-    stage = plant(args.stage, args.plant) if args.plant else args.stage
-    report = rehearse_stage(stage, RunConfig(n_envs=args.n_envs, n_steps=args.n_steps),
-                            iterations=args.iterations)
+    report = rehearse_stage(*_planted(args), iterations=args.iterations)
     print(report)
     return 0 if report.ok else 1
 
@@ -268,13 +197,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not is_dir(args.results, "--results"):
         raise ValueError(f"--results: {args.results!r} is not a folder (make record writes one)")
     check_output_dir(args.results, "--results")  # RESULTS.md is written there: refused up front
-    for path in write_report(args.results):
-        print(f"wrote {path}")
+    for written in write_report(args.results):
+        print(f"wrote {written}")
     return 0
-
-
-def _device_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -286,43 +211,43 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_bench_env(sub) -> None:
     p = sub.add_parser("bench-env", help="time each Forage implementation")
-    _device_flag(p)
-    p.add_argument("--repeats", type=_int_at_least(1, 1000), default=5,
+    device_flag(p)
+    p.add_argument("--repeats", type=int_at_least(1, 1000), default=5,
                    help="rounds, each timing one episode of every implementation in turn "
                         "(default: %(default)s)")
-    p.add_argument("--n-envs", type=_positive_int, nargs="+", default=None,
+    p.add_argument("--n-envs", type=positive_int, nargs="+", default=None,
                    help="N of the vectorized implementations, the same for each (default: "
                         "256 1024 4096 on the CPU, 4096 65536 on CUDA)")
     p.add_argument("--compiled", action="store_true",
                    help="also time torch.compile(ForageTorch.step), and a loop of "
                         "--compile-loop steps compiled as one graph (minutes on a CPU)")
-    p.add_argument("--compile-loop", type=_positive_int, default=4,
+    p.add_argument("--compile-loop", type=positive_int, default=4,
                    help="steps in the compiled loop; 1 leaves that row out; it must divide "
                         "the episode length and 16, the warmup steps (default: %(default)s)")
-    p.add_argument("--out", type=_path, default="results", help="folder for the JSON")
+    p.add_argument("--out", type=path, default="results", help="folder for the JSON")
     p.set_defaults(func=cmd_bench_env)
 
 
 def _add_ladder(sub) -> None:
     p = sub.add_parser("ladder", help="run every stage, print the table, write JSON + PNG")
-    _device_flag(p)
+    device_flag(p)
     p.add_argument("--profile", choices=("quick", "full"), default=None,
                    help="default: full on CUDA, quick otherwise")
-    p.add_argument("--stages", type=_stage_list, default=None,
+    p.add_argument("--stages", type=stage_list, default=None,
                    help="comma-separated stage indices or names (default: all)")
     from ..config import BenchConfig, RunConfig
 
     profile = "default: the profile's"
-    _field_flag(p, RunConfig, "n_envs", _positive_int, default_note=profile)
-    _field_flag(p, RunConfig, "n_steps", _positive_int, default_note=profile)
-    _field_flag(p, BenchConfig, "iterations", _int_at_least(2), default_note=profile)
-    _field_flag(p, BenchConfig, "scaling_n_envs", _positive_int, nargs="+", default_note=profile)
-    p.add_argument("--threads", type=_positive_int, default=None,
+    field_flag(p, RunConfig, "n_envs", positive_int, default_note=profile)
+    field_flag(p, RunConfig, "n_steps", positive_int, default_note=profile)
+    field_flag(p, BenchConfig, "iterations", int_at_least(2), default_note=profile)
+    field_flag(p, BenchConfig, "scaling_n_envs", positive_int, nargs="+", default_note=profile)
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads on the CPU (default: the cores no other "
                         "process is running on; see labkit.measure.noise)")
     p.add_argument("--no-scaling", action="store_true", help="skip the scaling sweep")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--out", type=_path, default="results", help="folder for JSON and PNG")
+    p.add_argument("--out", type=path, default="results", help="folder for JSON and PNG")
     p.set_defaults(func=cmd_ladder)
 
 
@@ -333,21 +258,21 @@ def _add_train(sub) -> None:
 
     # Flags left unset take the config's defaults, or the resumed run's values.
     p = sub.add_parser("train", help="train PPO on Forage with one stage's pipeline")
-    _field_flag(p, TrainConfig, "stage", _stage)
-    _field_flag(p, TrainConfig, "device", str)
-    _field_flag(p, RunConfig, "n_envs", _positive_int)
-    _field_flag(p, RunConfig, "n_steps", _positive_int)
-    _field_flag(p, TrainConfig, "total_steps", _positive_int)
-    _field_flag(p, RunConfig, "seed", _non_negative_int)
-    _field_flag(p, RunConfig, "value_head", str, choices=VALUE_HEADS)
-    _field_flag(p, TrainConfig, "checkpoint_every", _non_negative_int)
-    p.add_argument("--out", type=_path, default=None,
+    field_flag(p, TrainConfig, "stage", stage)
+    field_flag(p, TrainConfig, "device", str)
+    field_flag(p, RunConfig, "n_envs", positive_int)
+    field_flag(p, RunConfig, "n_steps", positive_int)
+    field_flag(p, TrainConfig, "total_steps", positive_int)
+    field_flag(p, RunConfig, "seed", non_negative_int)
+    field_flag(p, RunConfig, "value_head", str, choices=VALUE_HEADS)
+    field_flag(p, TrainConfig, "checkpoint_every", non_negative_int)
+    p.add_argument("--out", type=path, default=None,
                    help="run folder (default: a new runs/train-<date>-<time>)")
-    p.add_argument("--resume", type=_path, default=None, metavar="DIR",
+    p.add_argument("--resume", type=path, default=None, metavar="DIR",
                    help="continue the run in DIR (from its checkpoint, or from its start)")
-    p.add_argument("--tensorboard", type=_path, default=None, metavar="DIR",
+    p.add_argument("--tensorboard", type=path, default=None, metavar="DIR",
                    help="also write the metrics as TensorBoard scalars to DIR")
-    p.add_argument("--stop-after", type=_positive_int, default=None, metavar="K",
+    p.add_argument("--stop-after", type=positive_int, default=None, metavar="K",
                    help="stop after iteration K of the run, with a checkpoint (--resume goes on)")
     p.add_argument("--debug", action="store_true",
                    help="check observations, logits, values, losses and gradients for NaN/inf "
@@ -358,7 +283,7 @@ def _add_train(sub) -> None:
 
 def _add_record(sub) -> None:
     p = sub.add_parser("record", help="re-record results and notebooks on this machine")
-    _device_flag(p)
+    device_flag(p)
     p.add_argument("--profile", choices=("quick", "full", "tiny"), default=None,
                    help="default: full on CUDA, quick otherwise (tiny: seconds, for tests)")
     p.add_argument("--part", "--parts", dest="parts", default="all",
@@ -378,42 +303,29 @@ def _add_record(sub) -> None:
                    help="record although the code is modified (commit marked -dirty)")
     p.add_argument("--overwrite-gpu-notebooks", action="store_true",
                    help="on a CPU, also re-execute notebooks last recorded on a GPU")
-    p.add_argument("--out", type=_path, default="results", help="results folder")
+    p.add_argument("--out", type=path, default="results", help="results folder")
     p.set_defaults(func=cmd_record)
 
 
 def _add_report(sub) -> None:
     p = sub.add_parser("report", help="write results/RESULTS.md and the README's results")
-    p.add_argument("--results", type=_path, default="results", help="results folder")
+    p.add_argument("--results", type=path, default="results", help="results folder")
     p.set_defaults(func=cmd_report)
 
 
 def _add_profile(sub) -> None:
     p = sub.add_parser("profile", help="a torch.profiler trace of steady-state iterations")
-    _device_flag(p)
-    p.add_argument("--stage", type=_stage, default=None,
-                   help=f"{_choices()} ({_default_stage_note()})")
-    p.add_argument("--n-envs", type=_positive_int, default=64, help="N (default: %(default)s)")
-    p.add_argument("--n-steps", type=_positive_int, default=32, help="T (default: %(default)s)")
-    p.add_argument("--iterations", type=_int_at_least(1, 100), default=1,
+    device_flag(p)
+    p.add_argument("--stage", type=stage, default=None,
+                   help=f"{choices()} ({default_stage_note()})")
+    p.add_argument("--n-envs", type=positive_int, default=64, help="N (default: %(default)s)")
+    p.add_argument("--n-steps", type=positive_int, default=32, help="T (default: %(default)s)")
+    p.add_argument("--iterations", type=int_at_least(1, 100), default=1,
                    help="iterations traced, after one warmup; the trace keeps every event, "
                         "so at most 100 (default: %(default)s)")
-    p.add_argument("--top", type=_positive_int, default=15, help="rows of the top-ops table")
-    p.add_argument("--out", type=_path, default="runs/profile", help="folder for the trace")
+    p.add_argument("--top", type=positive_int, default=15, help="rows of the top-ops table")
+    p.add_argument("--out", type=path, default="runs/profile", help="folder for the trace")
     p.set_defaults(func=cmd_profile)
-
-
-def _add_stage_flags(p: argparse.ArgumentParser, stage: str, what: str, n_envs: int,
-                     n_steps: int) -> None:
-    """--stage, --plant, --n-envs and --n-steps: the doctor's and the rehearsal's."""
-    from ..doctor.plants import PLANT_NAMES
-
-    p.add_argument("--stage", type=_stage, default=stage, help=f"{what} (default: %(default)s)")
-    p.add_argument("--plant", default=None,
-                   help=f"plant a regression first: {', '.join(PLANT_NAMES)}")
-    p.add_argument("--n-envs", type=_positive_int, default=n_envs, help="N (default: %(default)s)")
-    p.add_argument("--n-steps", type=_positive_int, default=n_steps,
-                   help="T (default: %(default)s)")
 
 
 def _add_doctor(sub) -> None:
@@ -425,9 +337,9 @@ def _add_doctor(sub) -> None:
         description="Run a stage for a few iterations under the sync meter, a function watch, a "
                     "memory tracker and dynamo's counters; print what regressed and the "
                     "chapter with the fix. Exit 0 without findings, 1 with, 2 on a usage error.")
-    _device_flag(p)
-    _add_stage_flags(p, REFERENCE_STAGE, _choices(), **DOCTOR_RUN)
-    p.add_argument("--iterations", type=_int_at_least(2, 10_000), default=5,
+    device_flag(p)
+    stage_flags(p, REFERENCE_STAGE, choices(), **DOCTOR_RUN)
+    p.add_argument("--iterations", type=int_at_least(2, 10_000), default=5,
                    help="timed iterations, 2 to 10,000 (default: %(default)s)")
     p.add_argument("--json", action="store_true", help='print {"findings": [...], ...}')
     p.set_defaults(func=cmd_doctor)
@@ -444,19 +356,19 @@ def _add_rehearse(sub) -> None:
                     "and whether the replays compute what the stage without graphs computes, "
                     "bit for bit. No speed is measured. Exit 0 when capturable and equal, 1 "
                     "otherwise, 2 on a usage error.")
-    _add_stage_flags(p, STAGES[-1].name, "a stage with CUDA graphs", n_envs=16, n_steps=16)
+    stage_flags(p, STAGES[-1].name, "a stage with CUDA graphs", n_envs=16, n_steps=16)
     p.add_argument("--device", default="cpu", help="cpu (the rehearsal's only device)")
-    p.add_argument("--iterations", type=_int_at_least(1, 10_000), default=2,
+    p.add_argument("--iterations", type=int_at_least(1, 10_000), default=2,
                    help="iterations rehearsed (default: %(default)s)")
     p.set_defaults(func=cmd_rehearse)
 
 
 def _add_plot_runs(sub) -> None:
     p = sub.add_parser("plot-runs", help="learning curves of train runs (steps and wall time)")
-    p.add_argument("runs", type=_path, nargs="+", help="train --out folders")
-    p.add_argument("--oracle", type=_finite_float, default=None,
+    p.add_argument("runs", type=path, nargs="+", help="train --out folders")
+    p.add_argument("--oracle", type=finite_float, default=None,
                    help="draw the oracle's return")
-    p.add_argument("--out", type=_path, default="results/learning.png", help="PNG to write")
+    p.add_argument("--out", type=path, default="results/learning.png", help="PNG to write")
     p.set_defaults(func=cmd_plot_runs)
 
 

@@ -361,17 +361,15 @@ def _read_metrics(path: Path, keep_through: int) -> list[dict]:
     kept: list[dict] = []
     for number, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)
+            record, bad = json.loads(line), ("is not a metrics record (a JSON object with an "
+                                             "integer iteration)")
         except ValueError:
-            if number == len(lines):
-                break  # the torn last line of an interrupted write
-            raise ValueError(f"{path} line {number} is not valid JSON (and later lines are); "
-                             "repair or delete that line, then resume") from None
+            record, bad = None, "is not valid JSON (and later lines are)"
         if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
             if number == len(lines):
-                break
-            raise ValueError(f"{path} line {number} is not a metrics record (a JSON object with "
-                             "an integer iteration); repair or delete that line, then resume")
+                break  # the torn last line of an interrupted write
+            raise ValueError(f"{path} line {number} {bad}; repair or delete that line, then "
+                             "resume")
         if record["iteration"] > keep_through:
             break
         if record["iteration"] != len(kept) + 1:  # one record per iteration, in order
