@@ -300,11 +300,7 @@ def _saved_run(cfg: TrainConfig | None, out: Path) -> tuple[TrainConfig, dict | 
         source, data = ckpt_path, saved["config"]
     else:
         source, data = cfg_path, _read_json(cfg_path)
-    try:
-        saved_cfg = TrainConfig.from_dict(data)
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise checkpoint.CheckpointError(f"{source}: its config is not valid: "
-                                         f"{type(err).__name__}: {err}") from None
+    saved_cfg = _config_in(data, source)
     if cfg is not None and cfg.to_dict() != saved_cfg.to_dict():
         raise ValueError(f"cfg differs from the config saved in {source}; pass cfg=None to "
                          "resume with the saved one")
@@ -413,16 +409,21 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def _config_in(data: dict, source: Path, advice: str = "") -> TrainConfig:
+    """The run config ``data`` read from ``source``, or CheckpointError naming the file."""
+    try:
+        return TrainConfig.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise checkpoint.CheckpointError(f"{source}: its config is not valid: "
+                                         f"{type(err).__name__}: {err}{advice}") from None
+
+
 def _check_same_run(saved_cfg: TrainConfig, ckpt_path: Path, cfg_path: Path) -> None:
     """Refuse a checkpoint that belongs to another run than the folder's ``config.json`` (a
     copied or misplaced file would mix two runs' metrics and models), naming the field."""
     recover = (f"(the checkpoint holds its own config: to resume it, delete or restore "
                f"{cfg_path})")
-    try:
-        folder = TrainConfig.from_dict(_read_json(cfg_path)).to_dict()
-    except (KeyError, TypeError, AttributeError, ValueError) as err:
-        raise checkpoint.CheckpointError(f"{cfg_path}: not a valid run config "
-                                         f"({type(err).__name__}: {err}) {recover}") from None
+    folder = _config_in(_read_json(cfg_path), cfg_path, f" {recover}").to_dict()
     ours, theirs = _flat(saved_cfg.to_dict()), _flat(folder)
     for key in sorted(set(ours) | set(theirs)):
         same_run_field = any(key == f or key.startswith(f + ".") for f in SAME_RUN)
