@@ -1,0 +1,113 @@
+"""Issue 37's case set held against ``labkit.rehearse``: every case must agree with its real-capture
+verdict, except those in ``rehearsal_cases/known.py``, which must keep exactly their recorded
+outcome until the tool is fixed (then the entry goes). Plus the rules of the set itself: over
+100 cases, a source for each, one ``# HAZARD`` line for each hazard, unique ids, three variants
+or more (a spelling, a method, a helper) for every example the issue quotes, 40 clean cases or
+more.
+
+The cases package sits beside this file (``tests`` is not a package): it is imported as
+``rehearsal_cases``; the counts come from ``python -m tests.rehearsal_cases`` at the repo root.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+import rehearsal_cases as rc  # noqa: E402
+from rehearsal_cases import check  # noqa: E402
+from rehearsal_cases.known import KNOWN  # noqa: E402
+
+_BY_ID = {c.id: c for c in rc.CASES}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="KNOWN holds the outcomes on a CPU-only "
+                    "torch; where CUDA is there, the cases build CUDA tensors and a real "
+                    "capture is the check")
+@pytest.mark.parametrize("case", rc.CASES, ids=lambda c: c.id)
+def test_case_outcome(case: rc.Case) -> None:
+    result = check.run(case)
+    known = KNOWN.get(case.id)
+    said = f"the tool said: {result.detail}"
+    if known is None:
+        assert result.outcome == "agree", (
+            f"{case.id} ({case.issue_class}, expected {case.expect}): {result.outcome}; {said}")
+    elif result.outcome == "agree":
+        pytest.fail(f"{case.id} now agrees: remove it from KNOWN "
+                    "(tests/rehearsal_cases/known.py)")
+    else:
+        assert result.outcome == known, (
+            f"{case.id}: KNOWN says {known}, the outcome is now {result.outcome}; {said}")
+
+
+def test_the_set_is_large_and_ids_are_unique() -> None:
+    ids = [c.id for c in rc.CASES]
+    assert len(ids) > 100
+    assert len(set(ids)) == len(ids), [i for i, n in Counter(ids).items() if n > 1]
+
+
+def test_every_case_cites_its_source() -> None:
+    for c in rc.CASES:
+        assert c.source.strip(), c.id
+        assert any(k in c.source for k in ("torch/", "aten/", "c10/", "http")), c.id
+
+
+@pytest.mark.parametrize("case", rc.CASES, ids=lambda c: c.id)
+def test_hazard_marker(case: rc.Case) -> None:
+    """A hazard has exactly one ``# HAZARD`` line where its report must point; a capturable
+    case has none in its factory and names no hazard function or message words."""
+    path, lines = case.marked()
+    if case.expect == "capturable":
+        assert case.hazard is None and not case.says
+        assert lines == [], f"{case.id}: a capturable case with '# HAZARD' at {lines}"
+    else:
+        assert len(lines) == 1, f"{case.id}: {len(lines)} '# HAZARD' lines in {path}"
+        assert case.hazard_site() == (path, lines[0])
+
+
+def test_classes_verdicts_and_families_are_known() -> None:
+    for c in rc.CASES:
+        assert c.issue_class in rc.CLASSES and c.expect in rc.VERDICTS, c.id
+        assert c.variant in rc.VARIANTS, c.id
+        assert (c.family in rc.QUOTED) == (c.variant != "other"), c.id
+    assert {c.issue_class for c in rc.CASES} == set(rc.CLASSES)
+    assert {c.family for c in rc.CASES} - {""} == set(rc.QUOTED)
+
+
+def test_every_quoted_example_has_three_variants() -> None:
+    """Another spelling, inside a module's method, inside a helper from another file."""
+    for family in rc.QUOTED:
+        cases = [c for c in rc.CASES if c.family == family]
+        variants = {c.variant for c in cases}
+        assert len(cases) >= 3 and {"spelling", "method", "helper"} <= variants, (
+            family, sorted(variants))
+
+
+def test_method_and_helper_variants_live_in_other_files() -> None:
+    for c in rc.CASES:
+        if c.variant not in ("method", "helper"):
+            continue
+        where = {"method": "nets.", "helper": "helpers."}[c.variant]
+        assert where in inspect.getsource(c.build), c.id
+        if c.hazard is not None:
+            assert inspect.getsourcefile(c.hazard).endswith(
+                f"{where.rstrip('.')}.py"), c.id
+
+
+def test_enough_clean_cases() -> None:
+    clean = [c for c in rc.CASES if c.expect == "capturable"]
+    assert len(clean) >= 40, len(clean)
+
+
+def test_known_names_real_cases_and_outcomes() -> None:
+    for case_id, outcome in KNOWN.items():
+        assert case_id in _BY_ID, f"KNOWN names {case_id}, which is not a case"
+        assert outcome in check.OUTCOMES and outcome != "agree", (case_id, outcome)
