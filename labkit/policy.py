@@ -187,9 +187,11 @@ def sample_action(net: nn.Module, obs: torch.Tensor, generator: torch.Generator 
     argmax(logp - log E) with E ~ Exp(1): exact categorical sampling from elementwise ops and
     an argmax on the device, no host read. A default ``Categorical(logits=...)`` reads the
     device in its argument validation (at construction and in ``log_prob``: a sync each on a
-    GPU); ``torch.multinomial`` itself checks its input with device-side asserts since torch
-    2.6 (no host read). ``generator`` must live on the same device as ``obs``; it stays outside
-    any compiled region (dynamo does not trace generators).
+    GPU), until the process's first ``torch.compile``, which turns that validation off for
+    every distribution (dynamo's ``TorchPatcher.patch``); ``torch.multinomial`` itself checks
+    its input with device-side asserts since torch 2.6 (no host read). ``generator`` must live
+    on the same device as ``obs``; it stays outside any compiled region (dynamo does not trace
+    generators).
     """
     debug.check(observations=obs)
     logits, value = net(obs)

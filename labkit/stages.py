@@ -27,8 +27,10 @@ PPO update) and owns its whole state. Every stage runs the same Forage dynamics 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from pathlib import Path
@@ -57,6 +59,25 @@ REQUIREMENTS = {
     "bf16": (has_bf16, "needs bf16 (the graphed update is built and tested for bf16 autocast; "
                        "fp16 would need its GradScaler captured too)"),
 }
+
+
+_ASSUMED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("assumed",
+                                                                           default=())
+
+
+@contextlib.contextmanager
+def assuming(needs: tuple[str, ...]) -> Iterator[None]:
+    """Inside, stage checks take ``needs`` (names in :data:`REQUIREMENTS`) as met, in this
+    thread or task only: how a capture rehearsal runs a CUDA stage on the CPU. Nothing
+    process-wide changes."""
+    unknown = set(needs) - set(REQUIREMENTS)
+    if unknown:
+        raise ValueError(f"needs must be among {', '.join(REQUIREMENTS)}; got {sorted(unknown)}")
+    token = _ASSUMED.set(tuple(needs))
+    try:
+        yield
+    finally:
+        _ASSUMED.reset(token)
 
 
 @runtime_checkable
@@ -129,23 +150,31 @@ class Stage:
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in self.LABELS}
 
-    def skip_reason(self, device: torch.device) -> str | None:
+    def skip_reason(self, device: torch.device, assume: tuple[str, ...] | None = None
+                    ) -> str | None:
         """Why this stage cannot run on ``device`` (None if it can), from its components: what
-        each one ``requires`` of the device, and whether its collector ``accepts`` its env."""
+        each one ``requires`` of the device, and whether its collector ``accepts`` its env.
+        ``assume`` names requirements taken as met; None: those of the :func:`assuming`
+        block the caller is in (a capture rehearsal on the CPU stands in for CUDA and bf16)."""
+        assume = _ASSUMED.get() if assume is None else assume
         if not issubclass(self.env, self.collector.accepts):
             return (f"{self.collector.__name__} cannot step {self.env.__name__} (it accepts "
                     f"{', '.join(c.__name__ for c in self.collector.accepts)})")
         for part in self.components().values():
             for need in getattr(part, "requires", ()):
+                if need in assume:
+                    continue
                 available, reason = REQUIREMENTS[need]
                 if not available(device):
                     return reason
         return None
 
-    def check(self, device: torch.device, run: RunConfig | None = None) -> None:
-        """Raise ``StageSkipped`` if this stage cannot run on ``device`` (``skip_reason``) or
-        ``run`` does not fit in its free memory; nothing is allocated either way."""
-        reason = self.skip_reason(device)
+    def check(self, device: torch.device, run: RunConfig | None = None,
+              assume: tuple[str, ...] | None = None) -> None:
+        """Raise ``StageSkipped`` if this stage cannot run on ``device`` (``skip_reason``, with
+        ``assume``) or ``run`` does not fit in its free memory; nothing is allocated either
+        way."""
+        reason = self.skip_reason(device, assume)
         if reason:
             raise StageSkipped(self.name, device, reason, cause="device")
         reason = memory_shortfall(run, device) if run is not None else None
@@ -288,17 +317,19 @@ class Pipeline:
     (compiled code is shared by pipelines of the same shapes: it guards on tensor properties,
     not on which module holds them). ``close()`` releases the logger, the rollout buffers and
     any captured graph at once, without waiting for the garbage collector.
+    ``assume``: requirements taken as met (see :meth:`Stage.skip_reason`).
     """
 
     def __init__(self, stage: Stage | int | str, cfg: RunConfig | None = None,
                  device: torch.device | str = "auto", *,
-                 log_dir: str | Path | None = None, group: Group = SINGLE) -> None:
+                 log_dir: str | Path | None = None, group: Group = SINGLE,
+                 assume: tuple[str, ...] | None = None) -> None:
         self.stage = stage = get_stage(stage)
         self.cfg = cfg = cfg if cfg is not None else RunConfig()
         if not isinstance(cfg, RunConfig):
             raise TypeError(f"cfg must be a RunConfig, got {type(cfg).__name__}")
         self.device = device = resolve_device(device)
-        stage.check(device, cfg)
+        stage.check(device, cfg, assume)
         self.ppo = cfg.ppo
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)

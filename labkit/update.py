@@ -75,7 +75,7 @@ class FusedAdam(Adam):
                  device: torch.device) -> torch.optim.Adam:
         lr = torch.tensor(cfg.lr, dtype=torch.float32, device=device)
         return torch.optim.Adam(params, lr=lr, eps=cfg.adam_eps, fused=True,
-                                capturable=self.capturable and device.type == "cuda")
+                                capturable=self.capturable)
 
     @staticmethod
     def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

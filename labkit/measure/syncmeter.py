@@ -74,16 +74,24 @@ def parse_site(site: str) -> tuple[str, int, str, str | None] | None:
     return (m["file"], int(m["line"]), m["func"], m["via"]) if m else None
 
 
-def source_line(path: str, line: int) -> str:
-    """The text of line ``line`` of ``path`` as a call site names it (absolute, relative to the
-    repository, or to a ``sys.path`` entry: ``torch/optim/adam.py``), stripped; "" if unknown."""
+def source_lines(path: str) -> list[str]:
+    """The lines of ``path`` as a call site names it (absolute, relative to the repository, or
+    to a ``sys.path`` entry: ``torch/optim/adam.py``); [] if unknown."""
     full = os.path.join(_ROOT, path)  # an absolute path (a notebook cell's too) stays as it is
-    return (linecache.getline(full, line) or linecache.getline(path, line)).strip()
+    return linecache.getlines(full) or linecache.getlines(path)
+
+
+def source_line(path: str, line: int) -> str:
+    """The text of line ``line`` of ``path`` as a call site names it, stripped; "" if
+    unknown."""
+    lines = source_lines(path)
+    return lines[line - 1].strip() if 0 < line <= len(lines) else ""
 
 
 #: torch's frames that only pass a call on (dynamo's disable wrapper around a dispatch mode):
 #: never the "via" of a call site.
-_WRAPPERS = (os.path.join("_dynamo", "eval_frame.py"), os.path.join("torch", "_compile.py"))
+_WRAPPERS = (os.path.join("_dynamo", "eval_frame.py"), os.path.join("torch", "_compile.py"),
+             os.path.join("torch", "_ops.py"))
 
 
 #: A torch function or dispatch mode passes calls on: its hook is never a call site.
@@ -205,9 +213,11 @@ def _to_wrapper(fn):
         if self.device.type != "cpu":  # ``x.to("cpu")`` of a device tensor is a D2H copy
             if device is not None and device.type == "cpu":
                 _count("to", self)
-        elif "cpu" in (*args[:1], kwargs.get("device")):
-            # a CPU tensor sent to "cpu" by name: a host read where CPU tensors stand for
-            # device ones (``x.to(x.device)`` is not: it stays where it is on every device)
+        elif "cpu" in (*args[:1], kwargs.get("device")) and \
+                hostflow.frame_call_device(sys._getframe(1)) in ("cpu", "unknown"):
+            # a CPU tensor sent to "cpu" named in the code: a host read where CPU tensors stand
+            # for device ones (``x.to(x.device)`` or ``x.to(device)`` with ``device`` a
+            # variable is not: on a GPU run the variable names the GPU)
             _count("to", self, cpu_tensor=True)
         out = _once(fn)(self, *args, **kwargs)
         flow = hostflow.current() if _active else None

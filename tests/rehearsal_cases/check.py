@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributions import Distribution
 
 from labkit import rehearse
 
@@ -74,11 +75,17 @@ def run(case: Case) -> Result:
     exception from the factory is the case's bug and propagates, one from ``rehearse`` is a
     crash."""
     py_state = random.getstate()
+    validate = Distribution._validate_args
     try:
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), \
                 contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             torch.manual_seed(0)
+            # A fresh process validates distributions' arguments; the first torch.compile in a
+            # process turns that off for good (torch/_dynamo/eval_frame.py, TorchPatcher.patch:
+            # Distribution.set_default_validate_args(False)), so each case starts from the
+            # fresh process's default, whatever ran before it.
+            Distribution.set_default_validate_args(True)
             fn, args = case.build()
             try:
                 report = rehearse(fn, *args)
@@ -87,6 +94,7 @@ def run(case: Case) -> Result:
                 return Result(case, "crash", f"{type(exc).__name__}: {lines[0]}")
     finally:
         random.setstate(py_state)
+        Distribution.set_default_validate_args(validate)
     return Result(case, classify(case, report), str(report))
 
 

@@ -1,6 +1,7 @@
 """Class 3: values baked in at capture. Python ints, floats, branches and tensor bindings are
 read once, when the graph is recorded; eager calls would read new ones. (``torch.manual_seed``
-inside the step, which the issue lists here, makes a real capture raise: see SEED.)"""
+inside the step with the seed the warm-up set is ignored at capture, so replays draw new numbers
+where eager calls repeat theirs: see SEED.)"""
 from __future__ import annotations
 
 import random
@@ -327,7 +328,7 @@ def _eps_device():
 # ---------------------------------------------------------------- torch.manual_seed(k)
 
 
-@case("manual_seed-in_step", "frozen_value", "refused", src.SEED,
+@case("manual_seed-in_step", "frozen_value", "replays_differ", src.SEED,
       family="manual_seed_in_step", variant="quoted")
 def _seed():
     def step(mu):
@@ -338,7 +339,7 @@ def _seed():
     return step, (torch.zeros(8, 2, device=DEVICE),)
 
 
-@case("manual_seed-cuda_spelling", "frozen_value", "refused",
+@case("manual_seed-cuda_spelling", "frozen_value", "replays_differ",
       src.SEED + " (torch/cuda/random.py torch.cuda.manual_seed: the same generator call)",
       family="manual_seed_in_step", variant="spelling")
 def _seed_cuda():
@@ -349,7 +350,7 @@ def _seed_cuda():
     return step, (torch.zeros(8, 2, device=DEVICE),)
 
 
-@case("manual_seed-random_module_spelling", "frozen_value", "refused", src.SEED,
+@case("manual_seed-random_module_spelling", "frozen_value", "replays_differ", src.SEED,
       family="manual_seed_in_step", variant="spelling")
 def _seed_random_module():
     policy = torch.nn.Linear(4, 2).to(DEVICE)
@@ -361,13 +362,13 @@ def _seed_random_module():
     return step, (torch.randn(8, 4, device=DEVICE),)
 
 
-@case("manual_seed-reseeded_module", "frozen_value", "refused", src.SEED,
+@case("manual_seed-reseeded_module", "frozen_value", "replays_differ", src.SEED,
       family="manual_seed_in_step", variant="method", hazard=nets.ReseededNoise.forward)
 def _seed_method():
     return nets.ReseededNoise(seed=3), (torch.zeros(8, 2, device=DEVICE),)
 
 
-@case("manual_seed-helper", "frozen_value", "refused", src.SEED,
+@case("manual_seed-helper", "frozen_value", "replays_differ", src.SEED,
       family="manual_seed_in_step", variant="helper", hazard=helpers.seeded_noise)
 def _seed_helper():
     def step(action):

@@ -66,12 +66,13 @@ REBOUND = ("every replay reads and writes the addresses the capture saw: the ten
            "before the capture is read again by every replay, and the new binding made at "
            f"capture is never read by the graph ({TORCH_DOCS}; 'tensor reassignment': "
            f"{NV_NUMERICAL})")
-SEED = ("aten/src/ATen/cuda/CUDAGeneratorImpl.cpp CUDAGeneratorImpl::set_current_seed calls "
-        "at::cuda::assertNotCapturing(\"Cannot call CUDAGeneratorImpl::set_current_seed\"), "
-        "reached from torch/random.py:67 torch.cuda.manual_seed_all -> "
-        "torch/cuda/random.py:126 default_generator.manual_seed (run at once: CUDA is "
-        "initialised). Issue 37 lists this under frozen values; torch's source says the capture "
-        "raises")
+SEED = ("aten/src/ATen/cuda/CUDAGeneratorImpl.cpp CUDAGeneratorImpl::set_current_seed: during a "
+        "stream capture it is a no-op when the seed equals the generator's own and a "
+        "TORCH_CHECK failure (\"can be called during stream capture only if new seed is the "
+        "same as the original seed\") otherwise, reached from torch/random.py manual_seed -> "
+        "torch/cuda/random.py manual_seed_all. The warm-up calls set the same seed, so the "
+        "capture succeeds, but eager calls restart the philox offset at 0 on every call (the "
+        "same numbers each call) while replays advance it: replays differ")
 UNREGISTERED = ("aten/src/ATen/cuda/CUDAGeneratorImpl.cpp CUDAGeneratorState::increase: a "
                 "generator not registered with the graph raises \"Attempt to increase offset "
                 "for a CUDA generator not in capture mode.\"")

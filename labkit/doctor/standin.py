@@ -1,0 +1,911 @@
+"""The CPU stand-in for ``torch.cuda``'s graph API that :mod:`labkit.doctor.rehearsal` runs
+graph code in: graph code runs unchanged, with a graph's semantics.
+
+Inside ``with rehearsal():`` the few ``torch.cuda`` calls that graph code makes (``CUDAGraph``,
+``graph``, ``Stream``, ``stream``, ``current_stream``, ``synchronize``,
+``is_current_stream_capturing``) are stood in for on the CPU, and so are torch's capture
+health check of an optimizer's ``step()`` and the devices a ``capturable=True`` optimizer
+accepts (the CPU among them), so that ``labkit.capture.CapturedStep``, stage 8, the recipe's
+graph step and a reader's own capture code run as they are, with these semantics:
+
+* **capture records and does not really run**: a ``TorchDispatchMode`` records every aten op
+  the captured code runs; when the capture ends, every write it made to a tensor that existed
+  before is undone, every generator it advanced is put back, and every tensor it made is
+  filled with NaN (integers with their largest value): on a GPU they hold garbage until the
+  first replay;
+* **replay re-runs only the recorded ops**, into the very tensors made at capture (a graph's
+  static addresses), with no Python: Python in the captured function runs at warm-up and at
+  capture only. A registered generator advances at each replay (philox offsets on a GPU). A
+  CUDA generator that is not registered makes a real capture raise ("Attempt to increase
+  offset for a CUDA generator not in capture mode"); a lenient rehearsal replays the same
+  numbers from it every time, so that what depends on it shows;
+* **what a capture cannot do is a problem**, with the call site: a host read (whatever
+  ``labkit.measure.syncmeter`` counts, ``.to("cpu")`` included, since every tensor stands for a
+  device tensor), an op torch tags as data-dependent, of dynamic output shape or unsafe in a
+  CUDA graph, ``torch.tensor(...)`` built inside the capture (a host-to-device copy), a
+  tensor made without ``device=`` (a host tensor on a GPU) mixed into an op with device
+  tensors, and a generator that is used without being registered (torch registers the
+  default one itself).
+  ``rehearsal(strict=True)`` raises :class:`CaptureError` at the end of a capture that has
+  any, as a real capture would have failed; ``strict=False`` collects them in ``problems``.
+
+Compiled functions run eagerly inside (``torch.compiler.set_stance("force_eager")``): a dispatch
+mode and ``fullgraph=True`` compiled code do not mix. So a rehearsed stage 8 equals stage 7 run
+eagerly bit for bit, and compiled stage 7 within the tolerance the tests state. Stages that need
+CUDA or bf16 are built on the CPU inside (``stages.assuming(REHEARSED)``): the rehearsal runs
+fp32 where a GPU runs bf16, and a ``capturable=True`` optimizer as on a GPU (torch's capture
+health check of ``step()`` and its list of capturable devices are stood in for).
+
+Host tensors are found by where a tensor comes from, not by its device (on the CPU every
+tensor is a host tensor): a ``TorchFunctionMode`` notes each tensor the capture makes with a
+constructor given no ``device=`` (torch's list of them, the one ``set_default_device`` uses),
+the recorder follows it through the ops that take only such tensors, and an op that mixes one
+(not a 0-d scalar, which CUDA accepts) with device tensors is the problem, at the op's line and
+the tensor's. A second pass under ``FakeTensorMode`` with every existing tensor faked onto
+``cuda`` was tried first and rejected: on CPU-only torch 2.13 autograd through a fake CUDA
+tensor aborts the process (no CUDA device guard); faking onto ``meta`` instead wrote a fake
+gradient into the real parameter's ``.grad``, ops with a generator do not run under it, and
+code that keeps a device in Python (an env's ``self.device``) refuses the faked tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from ..measure.hostflow import frame_call_device
+from ..measure.syncmeter import (
+    SyncMeter,
+    call_site,
+    parse_site,
+    short_path,
+    source_line,
+    source_lines,
+    wraps_method,
+)
+from ..stages import assuming
+from .kernel_syncs import checks_on_cpu_only, in_kernel_sync
+
+_TAGS = {torch.Tag.data_dependent_output: "data_dependent",
+         torch.Tag.dynamic_output_shape: "dynamic_shape"}
+if hasattr(torch.Tag, "cudagraph_unsafe"):
+    _TAGS[torch.Tag.cudagraph_unsafe] = "cudagraph_unsafe"
+EXPLAIN = {
+    "host_read": "reads tensor data on the host (.item(), .tolist(), a tensor used as a Python "
+                 "number, bool or index, .cpu()): a capture cannot wait for a result",
+    "data_dependent": "an op whose result the host must read (torch tags it "
+                      "data_dependent_output)",
+    "item": "reads a tensor's value on the host, as .item() does (a 0-d tensor used as an "
+            "index or a Python number is read so): a capture cannot wait for it; index with "
+            "index_select, gather or torch.where instead",
+    "mask": "a boolean mask as an index (x[mask], x[mask] = values) finds its True entries "
+            "with nonzero, whose count the host reads; use torch.where(mask, values, x) or "
+            "x.masked_fill_(mask, value) (a Python number, or a 0-d host scalar, as the value "
+            "takes that path)",
+    "dynamic_shape": "an op whose output shape depends on the data (dynamic_output_shape): a "
+                     "graph's shapes are fixed at capture",
+    "cudagraph_unsafe": "an op torch tags as unsafe inside a CUDA graph",
+    "host_tensor": "inside the capture: a host-to-device copy of Python or NumPy data, baked "
+                   "in at capture (make it once, outside, and update it in place)",
+    "kernel_sync": "an op whose CUDA kernel reads the device on the host",
+    "host_random": "a number drawn from a host random generator (random, numpy.random) inside "
+                   "the capture is drawn once, at capture: every replay reuses it (draw on the "
+                   "device with a torch.Generator the graph registers)",
+    "pinned": "inside the capture: the pinned host allocator queries CUDA events to reuse its "
+              "blocks, which a capture forbids (allocate the pinned buffer once, outside)",
+    "seed": "a seed set inside the captured step: a CUDA generator ignores a seed equal to its "
+            "own during a capture and raises for another, so eager calls restart the random "
+            "stream at every call while replays go on drawing new numbers (seed once, "
+            "outside; register a generator with graph.register_generator_state)",
+    "host_copy": "a copy from the device into a tensor made without device=, in pageable host "
+                 "memory: the copy waits for the device, and a capture cannot wait",
+    "stream_sync": "a synchronize inside the capture: on a GPU it ends the capture "
+                   "(\"operation not permitted when stream is capturing\"); drop it, or move it "
+                   "after the replay",
+    "optimizer": "optimizer.step() of an optimizer built with capturable=False: torch raises "
+                 "\"Attempting CUDA graph capture of step() ... but param_groups' capturable is "
+                 "False\" (build it with capturable=True and a tensor learning rate)",
+    "unsupported": "the rehearsal cannot model this step, so it cannot say whether it captures",
+    "frozen_value": "a value that changes between eager calls is frozen at capture: every "
+                    "replay uses the capture's (keep it in a device tensor updated in place)",
+    "frozen_branch": "the capture ran other ops than the eager call before it (Python control "
+                     "flow that changes between calls): every replay repeats the capture's",
+    "host_mix": "a tensor made without device= is a host tensor on a GPU, and an op mixing it "
+                "with device tensors raises there (give it device=, e.g. device=x.device)",
+    "unregistered_generator": "a generator the graph does not know: a real capture raises "
+                              "(register it: graph.register_generator_state)",
+    "shape": "the capture's inputs or outputs differ in shape from the warm-up call's",
+    "not_static": "an output that is not a tensor and changed between calls: every replay "
+                  "returns the capture's value",
+}
+#: Tagged dynamic_output_shape for boolean masks only: with integer indices the output has
+#: the indices' shape.
+_INDEXING = {"index", "_unsafe_index"}
+#: Writes through an index (``x[i] = v``, ``index_put``).
+_INDEX_PUTS = {"index_put_", "index_put", "_index_put_impl_"}
+#: Allocations: a replay keeps the buffer a capture made, so they are not re-run.
+_ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+#: Ops that may take a host tensor beside device tensors: copies between devices.
+_CROSS_DEVICE = {"copy_", "_to_copy", "lift_fresh", "_copy_from"}
+
+
+def _constructors() -> set:
+    """torch's functions that take ``device=`` and make a tensor (those that
+    ``torch.set_default_device`` redirects); a short list where torch's is not there."""
+    try:
+        from torch.utils._device import _device_constructors
+        return set(_device_constructors())
+    except ImportError:  # pragma: no cover - a torch without it
+        return {torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.rand,
+                torch.randn, torch.randint, torch.tensor, torch.as_tensor, torch.linspace,
+                torch.eye, torch.scalar_tensor}
+
+
+@dataclass
+class Problem:
+    """Something a real CUDA graph capture would not allow or not replay: its ``kind``,
+    ``where`` it happened (``file:line (function)``) and what."""
+
+    kind: str
+    where: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"[{self.kind}] {self.where}: {self.what}"
+
+
+class CaptureError(RuntimeError):
+    """A rehearsed capture found what would make a real one fail or replay wrong."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"the capture could not be a CUDA graph ({len(problems)} problem"
+                         f"{'s' if len(problems) > 1 else ''}):\n{lines}")
+
+
+@dataclass
+class _Op:
+    func: Any
+    args: tuple
+    kwargs: dict
+    fresh: list[torch.Tensor | None]  # the outputs made at capture, None where one aliases
+    runs: bool  # False for pure views and allocations: their outputs stay as captured
+    rng_state: tuple[torch.Generator, torch.Tensor] | None = None  # an unregistered generator
+    modes: tuple[bool, bool] = (False, False)  # grad and inference mode at capture
+
+
+def _returns(schema: Any, out: Any) -> list[tuple[Any, Any]]:
+    """(schema return, value) for every value an op returned, a list return's elements each
+    paired with that return."""
+    outs = out if len(schema.returns) > 1 else (out,)
+    pairs = []
+    for ret, value in zip(schema.returns, outs):
+        values = value if isinstance(value, (list, tuple)) else [value]
+        pairs += [(ret, v) for v in values]
+    return pairs
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _same_generator(a: torch.Generator, b: torch.Generator) -> bool:
+    """Whether two Python generator objects are one generator (a dispatched op gets a new
+    wrapper object for it): reseed one, read the other's seed, put the state back."""
+    if a is b:
+        return True
+    if a.device != b.device:
+        return False
+    state = b.get_state()
+    try:
+        b.manual_seed(0x5EED_0F_C0DE)
+        return a.initial_seed() == 0x5EED_0F_C0DE
+    finally:
+        b.set_state(state)
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the ops of one capture, with what is needed to undo it and to replay it."""
+
+    def __init__(self, graph: _Graph, rehearsal: rehearsal) -> None:
+        super().__init__()
+        self.graph, self.rehearsal = graph, rehearsal
+        self.ops: list[_Op] = []
+        self.made: set[int] = set()  # storages allocated during the capture
+        self.saved: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        self.fresh: list[torch.Tensor] = []
+        self.problems: list[Problem] = []
+        self.host = WeakTensorKeyDictionary()  # tensor -> where it was made without a device
+        self.constructing: list[tuple[str, bool]] = []  # (constructor, given a device) calls
+        self.cpu_only_checks = 0  # inside a call whose host reads are the CPU's own checks
+        self.lifts = WeakTensorKeyDictionary()  # Python numbers and data made tensors
+        self._remember(torch.default_generator)
+
+    def _remember(self, gen: torch.Generator) -> None:
+        self.generators.setdefault(id(gen), (gen, gen.get_state()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "profiler":  # record_function ranges: not part of a graph
+            return func(*args, **kwargs)
+        schema = func._schema
+        values = list(zip(schema.arguments, list(args) + [None] * len(schema.arguments)))
+        named = [(a, kwargs[a.name] if a.name in kwargs else v) for a, v in values]
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a, _ in named)
+        for arg, value in named:
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                for t in _tensors(value):
+                    self._save(t)
+        self._inspect(func, named)
+        host = self._host_inputs(func, named)
+        rng_state = self._generator(func, named)
+        out = func(*args, **kwargs)
+        if func.overloadpacket.__name__ == "lift_fresh" and isinstance(out, torch.Tensor):
+            self.lifts[out] = True
+        if host:
+            for t in _tensors(out) if not isinstance(out, tuple) else [
+                    t for v in out for t in _tensors(v)]:
+                self.host[t] = host
+        inputs = {_key(t) for _, v in named for t in _tensors(v)}
+        fresh: list[torch.Tensor | None] = []
+        for ret, value in _returns(schema, out):
+            if ret.alias_info is None and isinstance(value, torch.Tensor) \
+                    and _key(value) not in inputs:
+                self.made.add(_key(value))
+                self.fresh.append(value)
+                fresh.append(value)
+            else:
+                fresh.append(None)
+        pure_view = not writes and all(r.alias_info is not None for r in schema.returns)
+        runs = not pure_view and func.overloadpacket.__name__ not in _ALLOCATIONS
+        self.ops.append(_Op(func, args, kwargs, fresh, runs, rng_state,
+                            (torch.is_grad_enabled(), torch.is_inference_mode_enabled())))
+        return out
+
+    def _save(self, t: torch.Tensor) -> None:
+        key = _key(t)
+        if key and key not in self.made and key not in self.saved:
+            storage = t.untyped_storage()
+            self.saved[key] = (storage, storage.clone())
+
+    def _inspect(self, func, named: list) -> None:
+        if self.rehearsal.in_read or self.cpu_only_checks:  # the meter counts it already, or
+            return                                         # a check CUDA makes on the device
+        name = func.overloadpacket.__name__
+        by_name = {a.name: v for a, v in named}
+        if name == "lift_fresh":
+            self._lifted(by_name.get("self"))
+        if name in _INDEX_PUTS and self._masked_put(named):
+            self._problem("dynamic_shape", f"{EXPLAIN['mask']}: {func}")
+        synced = in_kernel_sync(name, by_name)
+        if synced:
+            self._problem("kernel_sync", f"{synced}: {func}")
+        for tag in func.tags:
+            if tag not in _TAGS:
+                continue
+            if name in _INDEXING and not any(
+                    t.dtype in (torch.bool, torch.uint8) for _, v in named[1:]
+                    for t in _tensors(v)):
+                continue  # integer indices: the shape is the indices' shape, not the data's
+            if name == "repeat_interleave" and by_name.get("output_size") is not None:
+                continue  # output_size: torch's documented way to skip the sync
+            kind = _TAGS[tag]
+            said = ("item" if name == "_local_scalar_dense" else
+                    "mask" if name in _INDEXING else kind)
+            self._problem(kind, f"{EXPLAIN[said]}: {func}")
+
+    def _masked_put(self, named: list) -> bool:
+        """``x[mask] = value``: a boolean index syncs on CUDA unless it is the one index and
+        the value one element on the host (a Python number: torch's masked_fill path)."""
+        indices = [t for t in _tensors(named[1][1]) if t is not None] if len(named) > 1 else []
+        if not any(t.dtype in (torch.bool, torch.uint8) for t in indices):
+            return False
+        value = named[2][1] if len(named) > 2 else None
+        host_scalar = isinstance(value, torch.Tensor) and value.numel() == 1 and (
+            value in self.host or value in self.lifts)
+        return not (len(indices) == 1 and host_scalar)
+
+    def _lifted(self, value: Any) -> None:
+        """Python data made a tensor inside the capture: a 0-d host scalar (``x * 0.5``'s
+        ``torch.tensor(0.5)``, ``y[mask] = 0.0``) is legal in a CUDA op, its value baked in;
+        anything else is a host-to-device copy, named by the call that made it."""
+        made, on_device = self.constructing[-1] if self.constructing else ("", False)
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and not on_device:
+            return
+        what = f"{made}(...)" if made else _maker_in_source(call_site(internal=(__file__,)))
+        self._problem("host_tensor", f"{what} {EXPLAIN['host_tensor']}")
+
+    def _host_inputs(self, func, named: list) -> str | None:
+        """Where the host tensors among an op's inputs were made, if all its inputs are host
+        tensors (its outputs are host tensors too); a problem if it mixes one that is not a
+        scalar with device tensors."""
+        tensors = [t for _, v in named for t in _tensors(v)]
+        host = [self.host[t] for t in tensors if t in self.host]
+        if not host:
+            return None
+        if len(host) == len(tensors):
+            return host[0]
+        name = func.overloadpacket.__name__
+        target = named[0][1] if named else None
+        if name in ("copy_", "_copy_from") and isinstance(target, torch.Tensor) \
+                and target in self.host and not self.rehearsal.in_read:
+            self._problem("host_copy", f"{EXPLAIN['host_copy']} (made at {self.host[target]})")
+            return None
+        mixed = [self.host[t] for t in tensors if t in self.host and t.dim() > 0]
+        if mixed and name not in _CROSS_DEVICE and not self.rehearsal.in_read:
+            self._problem("host_mix", f"{EXPLAIN['host_mix']}: {func} mixes the tensor "
+                                      f"made at {mixed[0]}")
+        return None
+
+    def _problem(self, kind: str, what: str | None = None) -> None:
+        self.problems.append(Problem(kind, call_site(internal=(__file__,)),
+                                     what or EXPLAIN[kind]))
+
+    def _generator(self, func, named) -> tuple[torch.Generator, torch.Tensor] | None:
+        """Note a random op's generator; for one the graph does not know, the state a replay
+        draws from (always the same, as on a GPU)."""
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return None
+        gens = [v for _, v in named if isinstance(v, torch.Generator)]
+        gen = gens[0] if gens else torch.default_generator
+        known = next((g for g in (torch.default_generator, *self.graph.generators)
+                      if _same_generator(gen, g)), None)
+        self._remember(known or gen)
+        if known is not None:
+            return None
+        self._problem("unregistered_generator", f"{EXPLAIN['unregistered_generator']}: "
+                                                f"{func} draws from it")
+        return gen, gen.get_state()
+
+    def undo(self) -> None:
+        """What a capture leaves: no write, no generator advanced, its tensors garbage."""
+        with torch.no_grad():
+            for storage, before in self.saved.values():
+                storage.copy_(before)
+            for gen, state in self.generators.values():
+                gen.set_state(state)
+            for t in self.fresh:  # an inference_mode step's tensors in that mode
+                with torch.inference_mode(t.is_inference()), torch.no_grad():
+                    if t.is_floating_point() or t.is_complex():
+                        t.fill_(math.nan)
+                    elif t.dtype != torch.bool:
+                        t.fill_(torch.iinfo(t.dtype).max)
+
+
+class _HostMade(TorchFunctionMode):
+    """Notes each tensor a capture makes with a constructor given no ``device=``: on a GPU it
+    is a host tensor, whatever the CPU rehearsal makes of it."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        while hasattr(func, "labkit_original"):  # torch's method, not labkit's wrapper of it:
+            func = func.labkit_original          # one read counts once
+        recorder = self.recorder
+        fname = getattr(func, "__name__", "")
+        made = func in _CONSTRUCTORS or fname in _FROM_DATA or (
+            fname.endswith("_like") and kwargs.get("device") is not None)
+        if kwargs.get("pin_memory") or fname == "pin_memory":
+            recorder._problem("host_memory", f"{_name(func)}(..., pin_memory=True) "
+                                             f"{EXPLAIN['pinned']}")
+        cpu_only = checks_on_cpu_only(func, args, kwargs)
+        own = getattr(func, "__name__", "").startswith("new_")  # x.new_tensor: on x's device
+        host = made and not own and (kwargs.get("device") is None
+                                     or frame_call_device(sys._getframe(1)) == "cpu")
+        if made:
+            recorder.constructing.append((_name(func), not host))
+        recorder.cpu_only_checks += cpu_only
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            recorder.cpu_only_checks -= cpu_only
+            if made:
+                recorder.constructing.pop()
+        if host and isinstance(out, torch.Tensor):
+            recorder.host[out] = call_site(internal=(__file__,))
+            if func not in _CONSTRUCTORS and not self.recorder.rehearsal.in_read:
+                # torch.from_numpy: no op of torch's makes it, so the dispatch level never
+                # sees it; the data still has to reach the device
+                recorder._problem("host_tensor", f"{_name(func)}(...) "
+                                                 f"{EXPLAIN['host_tensor']}")
+        return out
+
+
+def _maker_in_source(site: str) -> str:
+    """How the line at ``site`` makes a tensor of Python or NumPy data, by its text (for the
+    message only), or a plain description."""
+    parsed = parse_site(site)
+    line = source_line(parsed[0], parsed[1]) if parsed else ""
+    found = [name for name in ("from_numpy", "as_tensor", "new_tensor", "tensor")
+             if f"{name}(" in line]
+    if not found:
+        return "a tensor made from Python or NumPy data"
+    return f"{'Tensor.' if found[0].startswith('new_') else 'torch.'}{found[0]}(...)"
+
+
+#: Calls that make a tensor from Python or NumPy data, besides torch's device constructors.
+_FROM_DATA = {"from_numpy", "new_tensor", "as_tensor", "tensor"}
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__name__", str(func))
+    return f"Tensor.{name}" if name.startswith("new_") else f"torch.{name}"
+
+
+_CONSTRUCTORS = _constructors()
+
+
+class _Graph:
+    """Stands in for ``torch.cuda.CUDAGraph`` inside a :class:`rehearsal`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.generators: list[torch.Generator] = []
+        self.ops: list[_Op] | None = None
+        self.replays = 0
+
+    def register_generator_state(self, generator: torch.Generator) -> None:
+        self.generators.append(generator)
+
+    def replay(self) -> None:
+        """The recorded ops again, no Python: fresh results land in the capture's tensors."""
+        if self.ops is None:
+            raise RuntimeError("replay() of a graph that was never captured")
+        for op in self.ops:
+            if not op.runs:
+                continue
+            if op.rng_state is not None:  # an unregistered generator: the same draw
+                gen, state = op.rng_state
+                now = gen.get_state()
+                gen.set_state(state)
+            grad, inference = op.modes  # an op may return other outputs in another mode
+            # (inference_mode(False) turns grad mode on: the grad mode goes inside it); the op
+            # runs below autograd, where the capture saw it: a replay records no graph
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
+                    torch._C._AutoDispatchBelowAutograd():
+                out = op.func(*op.args, **op.kwargs)
+            if op.rng_state is not None:
+                gen.set_state(now)
+            with torch.inference_mode(inference), torch.no_grad():
+                for static, (_, value) in zip(op.fresh, _returns(op.func._schema, out)):
+                    if static is not None and value is not static:
+                        static.copy_(value)
+        self.replays += 1
+
+    def reset(self) -> None:
+        self.ops = None
+
+    def pool(self) -> tuple[int, int]:
+        return (0, id(self))
+
+
+class _Stream:
+    """Stands in for ``torch.cuda.Stream``: one stream, so nothing to order; a synchronize
+    inside a capture is a problem, as it ends a real one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        _synchronized("Stream.synchronize()")
+
+    def record_event(self, event: Any = None) -> Any:
+        return event
+
+
+class Tracer(TorchDispatchMode):
+    """The ops of one call, each as (op, its Python arguments, where its tensors come from),
+    to compare an eager call with the capture that follows it: a value that differs is one a
+    graph freezes at capture. A tensor input is named by the op of this call that made it, or,
+    made before the call, by its memory (the tracer holds every input, so no address is reused
+    while it lives); ``sites`` also notes each op's line in the caller's code."""
+
+    def __init__(self, sites: bool = False) -> None:
+        super().__init__()
+        self.sites = sites
+        self.ops: list[tuple] = []
+        self.where: list[str] = []
+        self._made: dict[int, tuple[int, int]] = {}  # id(tensor) -> (op, output) in this call
+        self._held: list[Any] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "profiler":
+            return func(*args, **kwargs)
+        self._held.append((args, kwargs))
+        if func.overloadpacket.__name__ in _LIFTS:  # Python data made a tensor: its values
+            self.ops.append((func, tuple(_data(v) for v in args), self._plain(kwargs)))
+        else:
+            self.ops.append((func, self._plain(args), self._plain(kwargs)))
+        if self.sites:
+            self.where.append(call_site(internal=(__file__,)))
+        out = func(*args, **kwargs)
+        self._held.append(out)
+        for i, value in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(value, torch.Tensor):
+                self._made[id(value)] = (len(self.ops) - 1, i)
+        return out
+
+    def site_of(self, tensor: torch.Tensor) -> str | None:
+        """The line of the op that made ``tensor`` in the traced call (None: not made there,
+        or no lines noted)."""
+        made = self._made.get(id(tensor))
+        return self.where[made[0]] if made is not None and self.where else None
+
+    def _plain(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            made = self._made.get(id(value))
+            if made is not None:
+                return ("made", made)
+            return ("before", value.untyped_storage().data_ptr() if value.layout == torch.strided
+                    and not value.is_nested else id(value), value.storage_offset()
+                    if value.layout == torch.strided and not value.is_nested else 0)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._plain(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._plain(v) for k, v in value.items()}
+        if isinstance(value, float) and value != value:
+            return "nan"
+        return value
+
+
+#: The ops that make a tensor of Python data (``torch.tensor(...)``, a scalar in ``y[m] = 0.0``).
+_LIFTS = {"lift_fresh", "lift", "lift_fresh_copy"}
+
+
+def _data(value: Any) -> Any:
+    """A fresh tensor of Python data, by its values (read without an op: no dispatch)."""
+    if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+        return ("data", value.dtype, torch._C.TensorBase.tolist(value))
+    return value
+
+
+def frozen_values(before: Tracer, capture: Tracer) -> list[Problem]:
+    """What the capture froze that differs from the eager call before it: a Python value
+    passed to an op (an index, a learning rate, a seed), a tensor made by an earlier call read
+    in place of the one before (state rebound each call: replays read the warm-up's), or
+    other ops altogether (a Python branch)."""
+    for i, (b, c) in enumerate(zip(before.ops, capture.ops)):
+        if b == c:
+            continue
+        where = capture.where[i] if i < len(capture.where) else "<unknown>"
+        if b[0] != c[0]:
+            return [Problem("frozen_value", _branch(before, capture, i) or where, (
+                f"{EXPLAIN['frozen_branch']}: the call before ran {b[0]}, the capture {c[0]}"))]
+        what = _first_change(b[1:], c[1:])
+        return [Problem("frozen_value", where, f"{EXPLAIN['frozen_value']}: {c[0]} {what}")]
+    if len(before.ops) != len(capture.ops):
+        i = min(len(before.ops), len(capture.ops))
+        where = capture.where[-1] if capture.where else "<unknown>"
+        return [Problem("frozen_value", _branch(before, capture, i) or where, (
+            f"{EXPLAIN['frozen_branch']}: the call before ran {len(before.ops)} ops, the "
+            f"capture {len(capture.ops)}"))]
+    return []
+
+
+def _branch(before: Tracer, capture: Tracer, i: int) -> str | None:
+    """The ``if`` or ``while`` whose taken branch differs between the two calls: the innermost
+    one enclosing the first op that differs, in the capture or in the call before."""
+    for trace in (capture, before):
+        if i < len(trace.where):
+            found = _enclosing_branch(trace.where[i])
+            if found:
+                return found
+    return None
+
+
+def _enclosing_branch(site: str) -> str | None:
+    """``site`` moved to the line of the innermost ``if``/``while`` (or ``x if c else y``)
+    around it in its function's source, or None."""
+    import ast
+
+    parsed = parse_site(site)
+    if parsed is None:
+        return None
+    path, line, func, _ = parsed
+    tree = _syntax(path)
+    inner = None
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, (ast.If, ast.While, ast.IfExp)) and \
+                node.lineno < line <= (node.end_lineno or node.lineno) or \
+                isinstance(node, ast.IfExp) and node.lineno == line:
+            if inner is None or node.lineno >= inner.lineno:
+                inner = node
+    return f"{path}:{inner.lineno} ({func})" if inner is not None else None
+
+
+@functools.lru_cache(maxsize=256)
+def _syntax(path: str) -> Any:
+    """The parsed source of a call site's file (None where it cannot be read)."""
+    import ast
+
+    text = "".join(source_lines(path))
+    try:
+        return ast.parse(text) if text else None
+    except SyntaxError:
+        return None
+
+
+def _first_change(before: Any, after: Any) -> str:
+    """The first argument that differs, said for people."""
+    flat_b, flat_a = _flat_args(before), _flat_args(after)
+    for x, y in zip(flat_b, flat_a):
+        if x != y:
+            if isinstance(x, tuple) and x and x[0] in ("made", "before") or \
+                    isinstance(y, tuple) and y and y[0] in ("made", "before"):
+                return ("reads another tensor than in the call before (state rebound to a new "
+                        "tensor each call: replays read the one the capture saw; update it in "
+                        "place)")
+            return f"was given {x!r} in the call before and {y!r} at capture"
+    return "changed"
+
+
+def _flat_args(value: Any) -> list:
+    if isinstance(value, tuple) and value and value[0] in ("made", "before"):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flat_args(v)]
+    if isinstance(value, dict):
+        return [x for k in sorted(value) for x in _flat_args(value[k])]
+    return [value]
+
+
+#: What a rehearsal stands in for, for a stage's ``requires``: a pipeline built inside one
+#: (``Pipeline(stage, cfg, "cpu", assume=REHEARSED)``) runs fp32 on the CPU where a GPU runs
+#: bf16 on CUDA.
+REHEARSED = ("cuda", "bf16")
+#: The rehearsals entered, innermost last.
+_ACTIVE: list[rehearsal] = []
+
+
+def _synchronized(what: str) -> None:
+    """A synchronize call: a problem if it happens inside a rehearsed capture."""
+    recorder = _ACTIVE[-1].recorder if _ACTIVE else None
+    if recorder is not None:
+        recorder._problem("stream_sync", f"{what}: {EXPLAIN['stream_sync']}")
+
+
+def _host_generators() -> tuple[type, ...]:
+    """The random generators that live on the host: Python's, and NumPy's if it is there."""
+    import random
+
+    kinds: list[type] = [random.Random]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kinds += [numpy.random.Generator, numpy.random.RandomState]
+    return tuple(kinds)
+
+
+@contextlib.contextmanager
+def _host_random(recorder: _Recorder) -> Iterator[None]:
+    """A number drawn from a host random generator (``random``, ``numpy.random``) inside the
+    capture is drawn once, at capture: every replay reuses it. Seen by a profile hook on the
+    generators' C methods, at the line of the caller's code that drew it."""
+    kinds, previous = _host_generators(), sys.getprofile()
+    library = (os.path.dirname(os.__file__), os.sep + "numpy" + os.sep)
+
+    def hook(frame, event, arg):
+        if event == "c_call" and isinstance(getattr(arg, "__self__", None), kinds):
+            while frame is not None and frame.f_code.co_filename.startswith(library):
+                frame = frame.f_back  # random.gauss, numpy's Python layer: the caller's line
+            if frame is not None:
+                site = (f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} "
+                        f"({frame.f_code.co_name})")
+                recorder.problems.append(Problem("frozen_value", site, EXPLAIN["host_random"]))
+        if previous is not None:
+            previous(frame, event, arg)
+
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+
+
+def _seeded(name: str, original: Callable) -> Callable:
+    """``torch.cuda.manual_seed``'s stand-in: a problem inside a capture, then the original."""
+    def seed(value: int) -> None:
+        recorder = _ACTIVE[-1].recorder if _ACTIVE else None
+        if recorder is not None:
+            recorder._problem("seed", f"{name}({value}): {EXPLAIN['seed']}")
+        original(value)
+    return seed
+
+
+class _Unpinned(TorchFunctionMode):
+    """On a machine without an accelerator, where torch has no pinned allocator, a
+    ``pin_memory=True`` allocation or ``Tensor.pin_memory()`` gives pageable memory, so that
+    code written for a GPU runs; inside a capture the allocation is a problem."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "pin_memory":
+            return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        return func(*args, **kwargs)
+
+
+def _capture_health_check(optimizer: torch.optim.Optimizer) -> None:
+    """torch's check at the start of a capturable optimizer's ``step()``
+    (``Optimizer._accelerator_graph_capture_health_check``, which returns at once without an
+    accelerator): inside a capture every param group must be ``capturable``."""
+    recorder = _ACTIVE[-1].recorder if _ACTIVE else None
+    if recorder is not None and not all(g.get("capturable", False)
+                                        for g in optimizer.param_groups):
+        recorder._problem("optimizer", f"{type(optimizer).__name__}: {EXPLAIN['optimizer']}")
+
+
+def _optimizer_stand_ins() -> list[tuple[Any, str, Any]]:
+    """(owner, name, stand-in): the capture health check, and the CPU among the devices a
+    capturable optimizer accepts (torch asserts CUDA, XPU, HPU or XLA), so that
+    ``capturable=True`` optimizers run in a rehearsal as they run on a GPU."""
+    import sys
+
+    devices = sys.modules["torch.optim.optimizer"]._get_capturable_supported_devices
+
+    def with_cpu(supports_xla: bool = True) -> list[str]:
+        return [*devices(supports_xla), "cpu"]
+
+    patches: list[tuple[Any, str, Any]] = [
+        (torch.optim.Optimizer, name, _capture_health_check)
+        for name in ("_accelerator_graph_capture_health_check",
+                     "_cuda_graph_capture_health_check")
+        if hasattr(torch.optim.Optimizer, name)]
+    patches += [(module, "_get_capturable_supported_devices", with_cpu)
+                for name, module in list(sys.modules.items())
+                if name.startswith("torch.optim.") and module is not None
+                and hasattr(module, "_get_capturable_supported_devices")]
+    return patches
+
+
+class rehearsal:  # noqa: N801 - used like torch's context managers
+    """Inside, ``torch.cuda``'s graph API captures and replays on the CPU (see the module
+    docstring); ``problems`` collects what every capture inside found, ``graphs`` every graph
+    made. ``strict``: raise :class:`CaptureError` at the end of a capture that found any."""
+
+    def __init__(self, strict: bool = True) -> None:
+        self.strict = strict
+        self.problems: list[Problem] = []
+        self.graphs: list[_Graph] = []
+        self.capturing = False
+        self.recorder: _Recorder | None = None  # the capture's, while one runs
+        self.in_read = False
+        self._stack = contextlib.ExitStack()
+
+    # ------------------------------------------------------------------ torch.cuda's calls
+
+    def _graph_class(self) -> type:
+        owner = self
+
+        class CUDAGraph(_Graph):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__()
+                owner.graphs.append(self)
+
+        return CUDAGraph
+
+    @contextlib.contextmanager
+    def _graph(self, cuda_graph: _Graph, pool: Any = None, stream: Any = None,
+               capture_error_mode: str = "global") -> Iterator[None]:
+        if self.capturing:
+            raise RuntimeError("a capture inside a capture: CUDA graphs do not nest")
+        recorder = _Recorder(cuda_graph, self)
+        meter = SyncMeter(call_sites=True, cpu_as_device=True)
+        self.capturing, self.recorder = True, recorder
+        try:
+            with meter, _HostMade(recorder), recorder, _host_random(recorder):
+                yield
+        finally:
+            self.capturing, self.recorder = False, None
+            recorder.undo()
+        reads: dict[str, list] = {}  # by the line in labkit or user code; torch's line kept
+        for site, n in meter.sites.items():
+            reads.setdefault(site.split(" via ")[0], [site, 0])[1] += n
+        found = [Problem("host_read", site, f"{EXPLAIN['host_read']} ({n}x)")
+                 for site, n in reads.values()] + recorder.problems
+        found = list({(p.kind, p.where): p for p in found}.values())
+        self.problems += found
+        cuda_graph.ops = recorder.ops
+        if found and self.strict:
+            raise CaptureError(found)
+
+    def _stand_ins(self) -> dict[str, Any]:
+        return {"CUDAGraph": self._graph_class(), "graph": self._graph, "Stream": _Stream,
+                "stream": lambda stream=None: contextlib.nullcontext(),
+                "current_stream": lambda device=None: _Stream(),
+                "synchronize": lambda device=None: _synchronized("torch.cuda.synchronize()"),
+                "is_current_stream_capturing": lambda: self.capturing,
+                # torch.manual_seed and torch.random.manual_seed reach these two
+                "manual_seed": _seeded("torch.cuda.manual_seed", torch.cuda.manual_seed),
+                "manual_seed_all": _seeded("torch.cuda.manual_seed_all",
+                                           torch.cuda.manual_seed_all)}
+
+    # ------------------------------------------------------------------ enter / exit
+
+    def __enter__(self) -> rehearsal:
+        stack = self._stack.__enter__()
+        try:
+            for name, value in self._stand_ins().items():
+                stack.enter_context(_patched(torch.cuda, name, value))
+            if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "synchronize"):
+                stack.enter_context(_patched(torch.accelerator, "synchronize", lambda device=None:
+                                             _synchronized("torch.accelerator.synchronize()")))
+            if not torch.cuda.is_available():  # pinned memory needs an accelerator's allocator
+                stack.enter_context(_Unpinned())
+            for owner, name, value in _optimizer_stand_ins():
+                stack.enter_context(_patched(owner, name, value))
+            stack.enter_context(assuming(REHEARSED))
+            _ACTIVE.append(self)
+            stack.callback(_ACTIVE.remove, self)
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
+            stack.enter_context(_read_flag(self))
+        except BaseException:
+            stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> bool | None:
+        return self._stack.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+@contextlib.contextmanager
+def _read_flag(owner: rehearsal) -> Iterator[None]:
+    """Mark the time spent inside ``Tensor.item`` and kin, so that the dispatch-level check
+    leaves the ops of a host read to the sync meter, which names it."""
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+    originals = {n: getattr(torch.Tensor, n) for n in names}
+
+    def wrap(fn: Callable) -> Callable:
+        @wraps_method(fn)
+        def read(self, *args, **kwargs):
+            outer = owner.in_read
+            owner.in_read = True
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                owner.in_read = outer
+        return read
+
+    for n, fn in originals.items():
+        setattr(torch.Tensor, n, wrap(fn))
+    try:
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(torch.Tensor, n, fn)
