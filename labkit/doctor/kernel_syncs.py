@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 
 #: The torch these tables were read from.
@@ -41,6 +42,23 @@ IN_KERNEL: dict[str, tuple[Callable[[dict[str, Any]], bool], str]] = {
         lambda named: True,
         "the deprecated torch.cholesky checks its info on the host after the kernel (use "
         "torch.linalg.cholesky_ex and check info after the replay)"),
+    # aten/src/ATen/native/sparse/cuda/SparseCUDATensor.cu _coalesce_sparse_cuda: the new nnz
+    # comes from a unique on the device and sizes the output on the host
+    "_coalesce": (
+        lambda named: True,
+        "coalescing a sparse tensor counts its unique indices on the host (build it coalesced "
+        "outside the step, or keep the graph dense)"),
+    # SparseCUDATensorMath.cu s_addmm_out_sparse_dense_cuda: torch.sparse.mm coalesces an
+    # uncoalesced sparse input first
+    "_sparse_addmm": (
+        lambda named: any(getattr(v, "layout", None) == torch.sparse_coo and not v.is_coalesced()
+                          for v in named.values()),
+        "torch.sparse.mm of an uncoalesced sparse tensor coalesces it first, counting its "
+        "unique indices on the host (coalesce it once, outside the step)"),
+    # aten/src/ATen/native/sparse/SparseTensor.cpp dense_to_sparse: its indices are nonzero()'s
+    "_to_sparse": (
+        lambda named: True,
+        "to_sparse finds the nonzero entries, whose count the host reads"),
     "histc": (
         _histc_reads,
         "histc without a range (min == max) reads the input's min and max on the host (give "

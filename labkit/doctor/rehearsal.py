@@ -88,9 +88,19 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
     """Rehearse capturing ``fn(*args)`` as a CUDA graph, on the CPU: ``warmup`` calls (they
     really run, as torch's recipe does before a capture), one capture on static copies of the
     tensor arguments, then ``replays`` replays. The report lists, with your ``file:line``,
-    host reads, data-dependent ops, unregistered generators, inputs or outputs whose shapes
-    differ between the warm-up and the capture, and outputs that are not tensors made by the
-    graph. Nothing is replayed when a real capture would have failed."""
+    what a real capture would refuse and what it would freeze (the module docstring lists
+    both); the last two warm-up calls and the capture are compared op by op. Nothing is
+    replayed when a real capture would have failed.
+
+    Host tensors are known by where they were made: inside the step, or anywhere inside an
+    enclosing ``with rehearsal():``. Build the step's state inside one to have a CPU step
+    counter or learning rate made with the model checked too::
+
+        with rehearsal():
+            model, opt, counter = build()
+            report = rehearse(step, batch)
+
+    A tensor made before any rehearsal began is taken for a device tensor."""
     from ..capture import clone_state
 
     if isinstance(replays, bool) or not isinstance(replays, int) or replays < 0:

@@ -71,6 +71,7 @@ from ..measure.syncmeter import (
     short_path,
     source_line,
     source_lines,
+    target_device,
     wraps_method,
 )
 from ..stages import assuming
@@ -107,6 +108,12 @@ EXPLAIN = {
             "own during a capture and raises for another, so eager calls restart the random "
             "stream at every call while replays go on drawing new numbers (seed once, "
             "outside; register a generator with graph.register_generator_state)",
+    "host_op": "an op on host tensors only runs on the CPU, once, at capture: replays skip it, "
+               "so a CPU step counter or learning rate updated in place stays where the "
+               "capture left it (keep it on the device)",
+    "host_to_device": "a host tensor copied to the device inside the capture: a copy from "
+                      "pageable host memory, which a capture cannot record (copy it once, "
+                      "outside, into a device tensor, and update that in place)",
     "host_copy": "a copy from the device into a tensor made without device=, in pageable host "
                  "memory: the copy waits for the device, and a capture cannot wait",
     "stream_sync": "a synchronize inside the capture: on a GPU it ends the capture "
@@ -219,8 +226,15 @@ def _same_generator(a: torch.Generator, b: torch.Generator) -> bool:
         b.set_state(state)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """A tensor with one plain storage (not sparse, not nested)."""
+    return t.layout == torch.strided and not t.is_nested
+
+
 def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    """The memory a tensor lives in: its storage's address; for a sparse or nested tensor,
+    which has no single storage, the tensor itself."""
+    return t.untyped_storage().data_ptr() if _dense(t) else id(t)
 
 
 class _Recorder(TorchDispatchMode):
@@ -235,7 +249,7 @@ class _Recorder(TorchDispatchMode):
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         self.fresh: list[torch.Tensor] = []
         self.problems: list[Problem] = []
-        self.host = WeakTensorKeyDictionary()  # tensor -> where it was made without a device
+        self.host = rehearsal.host  # tensor -> where it was made on the host
         self.constructing: list[tuple[str, bool]] = []  # (constructor, given a device) calls
         self.cpu_only_checks = 0  # inside a call whose host reads are the CPU's own checks
         self.lifts = WeakTensorKeyDictionary()  # Python numbers and data made tensors
@@ -258,6 +272,11 @@ class _Recorder(TorchDispatchMode):
                     self._save(t)
         self._inspect(func, named)
         host = self._host_inputs(func, named)
+        if host and writes and not self.rehearsal.in_read and any(
+                _key(t) not in self.made for a, v in named
+                if a.alias_info is not None and a.alias_info.is_write for t in _tensors(v)):
+            self._problem("host_op", f"{EXPLAIN['host_op']}: {func} writes the tensor made at "
+                                     f"{host}")
         rng_state = self._generator(func, named)
         out = func(*args, **kwargs)
         if func.overloadpacket.__name__ == "lift_fresh" and isinstance(out, torch.Tensor):
@@ -277,7 +296,8 @@ class _Recorder(TorchDispatchMode):
             else:
                 fresh.append(None)
         pure_view = not writes and all(r.alias_info is not None for r in schema.returns)
-        runs = not pure_view and func.overloadpacket.__name__ not in _ALLOCATIONS
+        # a CPU op runs once, at capture: the graph holds only device work
+        runs = not pure_view and func.overloadpacket.__name__ not in _ALLOCATIONS and not host
         self.ops.append(_Op(func, args, kwargs, fresh, runs, rng_state,
                             (torch.is_grad_enabled(), torch.is_inference_mode_enabled())))
         return out
@@ -285,8 +305,8 @@ class _Recorder(TorchDispatchMode):
     def _save(self, t: torch.Tensor) -> None:
         key = _key(t)
         if key and key not in self.made and key not in self.saved:
-            storage = t.untyped_storage()
-            self.saved[key] = (storage, storage.clone())
+            target = t.untyped_storage() if _dense(t) else t
+            self.saved[key] = (target, target.clone())
 
     def _inspect(self, func, named: list) -> None:
         if self.rehearsal.in_read or self.cpu_only_checks:  # the meter counts it already, or
@@ -380,16 +400,53 @@ class _Recorder(TorchDispatchMode):
     def undo(self) -> None:
         """What a capture leaves: no write, no generator advanced, its tensors garbage."""
         with torch.no_grad():
-            for storage, before in self.saved.values():
-                storage.copy_(before)
+            for target, before in self.saved.values():
+                target.copy_(before)
             for gen, state in self.generators.values():
                 gen.set_state(state)
             for t in self.fresh:  # an inference_mode step's tensors in that mode
+                if not _dense(t):
+                    t = t._values() if t.layout == torch.sparse_coo else None
+                    if t is None:  # a nested tensor's buffers: left as the capture made them
+                        continue
                 with torch.inference_mode(t.is_inference()), torch.no_grad():
                     if t.is_floating_point() or t.is_complex():
                         t.fill_(math.nan)
                     elif t.dtype != torch.bool:
                         t.fill_(torch.iinfo(t.dtype).max)
+
+
+def _made_on_host(func: Any, args: tuple, kwargs: dict, caller: Any) -> tuple[bool, bool]:
+    """(whether ``func`` makes a tensor from nothing or from data, whether on a GPU that tensor
+    would be a host tensor): a constructor or ``*_like`` given ``device=`` the CPU named in
+    the code (``caller``'s source says so), or given no device and no tensor to take one from
+    (``sparse_coo_tensor(i, v)`` and ``empty_like(x)`` take their inputs' device,
+    ``x.new_tensor`` x's)."""
+    fname = getattr(func, "__name__", "")
+    made = func in _CONSTRUCTORS or fname in _FROM_DATA or (
+        fname.endswith("_like") and kwargs.get("device") is not None)
+    if not made:
+        return False, False
+    if kwargs.get("device") is not None:
+        return True, frame_call_device(caller) == "cpu"
+    return True, not fname.startswith("new_") and not any(
+        isinstance(a, torch.Tensor) for a in args)
+
+
+def _moved_to_host(func: Any, args: tuple, kwargs: dict, caller: Any) -> bool | None:
+    """For a call that moves a tensor (``.to``, ``.cpu()``, ``.cuda()``): whether the result
+    is a host tensor on a GPU (``.cpu()``, ``.to("cpu")`` named in the code; ``.to(device)``
+    with a variable is the device, ``.to(dtype)`` stays where it was); None for other calls."""
+    name = getattr(func, "__name__", "")
+    if name == "cpu":
+        return True
+    if name == "cuda":
+        return False
+    if name != "to" or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    if target_device(args[1:], kwargs) is None:
+        return args[0] in _ACTIVE[-1].host if _ACTIVE else None
+    return frame_call_device(caller) == "cpu"
 
 
 class _HostMade(TorchFunctionMode):
@@ -406,15 +463,15 @@ class _HostMade(TorchFunctionMode):
             func = func.labkit_original          # one read counts once
         recorder = self.recorder
         fname = getattr(func, "__name__", "")
-        made = func in _CONSTRUCTORS or fname in _FROM_DATA or (
-            fname.endswith("_like") and kwargs.get("device") is not None)
         if kwargs.get("pin_memory") or fname == "pin_memory":
             recorder._problem("host_memory", f"{_name(func)}(..., pin_memory=True) "
                                              f"{EXPLAIN['pinned']}")
         cpu_only = checks_on_cpu_only(func, args, kwargs)
-        own = getattr(func, "__name__", "").startswith("new_")  # x.new_tensor: on x's device
-        host = made and not own and (kwargs.get("device") is None
-                                     or frame_call_device(sys._getframe(1)) == "cpu")
+        made, host = _made_on_host(func, args, kwargs, sys._getframe(1))
+        moved = _moved_to_host(func, args, kwargs, sys._getframe(1))
+        if moved is False and args[0] in recorder.host and not recorder.rehearsal.in_read:
+            recorder._problem("host_copy", f"{EXPLAIN['host_to_device']} (made at "
+                                           f"{recorder.host[args[0]]})")
         if made:
             recorder.constructing.append((_name(func), not host))
         recorder.cpu_only_checks += cpu_only
@@ -424,9 +481,12 @@ class _HostMade(TorchFunctionMode):
             recorder.cpu_only_checks -= cpu_only
             if made:
                 recorder.constructing.pop()
+        if moved is False and isinstance(out, torch.Tensor):
+            recorder.host.pop(out, None)  # on the device now (on a CPU, maybe the input itself)
         if host and isinstance(out, torch.Tensor):
             recorder.host[out] = call_site(internal=(__file__,))
-            if func not in _CONSTRUCTORS and not self.recorder.rehearsal.in_read:
+            if getattr(func, "__name__", "") in _FROM_DATA and func not in _CONSTRUCTORS \
+                    and not self.recorder.rehearsal.in_read:
                 # torch.from_numpy: no op of torch's makes it, so the dispatch level never
                 # sees it; the data still has to reach the device
                 recorder._problem("host_tensor", f"{_name(func)}(...) "
@@ -562,9 +622,7 @@ class Tracer(TorchDispatchMode):
             made = self._made.get(id(value))
             if made is not None:
                 return ("made", made)
-            return ("before", value.untyped_storage().data_ptr() if value.layout == torch.strided
-                    and not value.is_nested else id(value), value.storage_offset()
-                    if value.layout == torch.strided and not value.is_nested else 0)
+            return ("before", _key(value), value.storage_offset() if _dense(value) else 0)
         if isinstance(value, (list, tuple)):
             return type(value)(self._plain(v) for v in value)
         if isinstance(value, dict):
@@ -737,18 +795,38 @@ def _seeded(name: str, original: Callable) -> Callable:
     return seed
 
 
-class _Unpinned(TorchFunctionMode):
-    """On a machine without an accelerator, where torch has no pinned allocator, a
-    ``pin_memory=True`` allocation or ``Tensor.pin_memory()`` gives pageable memory, so that
-    code written for a GPU runs; inside a capture the allocation is a problem."""
+class _Watch(TorchFunctionMode):
+    """For the whole rehearsal: notes the host tensors made (by a constructor, or by an op on
+    host tensors only) into ``owner.host``, so that a capture knows a CPU step counter made
+    before it; and, on a machine without an accelerator, where torch has no pinned allocator,
+    gives pageable memory for ``pin_memory=True`` and ``Tensor.pin_memory()``, so that code
+    written for a GPU runs (inside a capture the pinned allocation is a problem)."""
+
+    def __init__(self, owner: rehearsal, unpin: bool) -> None:
+        super().__init__()
+        self.owner, self.unpin = owner, unpin
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") == "pin_memory":
+        if self.unpin and getattr(func, "__name__", "") == "pin_memory":
             return args[0]
-        if kwargs.get("pin_memory"):
+        if self.unpin and kwargs.get("pin_memory"):
             kwargs = {**kwargs, "pin_memory": False}
-        return func(*args, **kwargs)
+        host = self.owner.host
+        made, on_host = _made_on_host(func, args, kwargs, sys._getframe(1))
+        moved = _moved_to_host(func, args, kwargs, sys._getframe(1))
+        if moved is not None:
+            on_host = moved
+        elif not made:  # an op: on the host if every tensor it takes is
+            inputs = [t for t in _tensors(list(args)) + _tensors(list(kwargs.values()))]
+            on_host = bool(inputs) and all(t in host for t in inputs)
+        out = func(*args, **kwargs)
+        if moved is False and isinstance(out, torch.Tensor):
+            # x.to(device) on a CPU is x itself: the code put it on its device, so it is one
+            host.pop(out, None)
+        elif on_host and isinstance(out, torch.Tensor) and out not in host:
+            host[out] = call_site(internal=(__file__,))
+        return out
 
 
 def _capture_health_check(optimizer: torch.optim.Optimizer) -> None:
@@ -795,6 +873,8 @@ class rehearsal:  # noqa: N801 - used like torch's context managers
         self.graphs: list[_Graph] = []
         self.capturing = False
         self.recorder: _Recorder | None = None  # the capture's, while one runs
+        # tensor -> where it was made on the host: from the start of the outermost rehearsal
+        self.host = _ACTIVE[-1].host if _ACTIVE else WeakTensorKeyDictionary()
         self.in_read = False
         self._stack = contextlib.ExitStack()
 
@@ -856,8 +936,8 @@ class rehearsal:  # noqa: N801 - used like torch's context managers
             if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "synchronize"):
                 stack.enter_context(_patched(torch.accelerator, "synchronize", lambda device=None:
                                              _synchronized("torch.accelerator.synchronize()")))
-            if not torch.cuda.is_available():  # pinned memory needs an accelerator's allocator
-                stack.enter_context(_Unpinned())
+            # pinned memory needs an accelerator's allocator
+            stack.enter_context(_Watch(self, unpin=not torch.cuda.is_available()))
             for owner, name, value in _optimizer_stand_ins():
                 stack.enter_context(_patched(owner, name, value))
             stack.enter_context(assuming(REHEARSED))

@@ -195,7 +195,7 @@ def _copy_wrapper(fn):
     return copy_
 
 
-def _target_device(args: tuple, kwargs: dict) -> torch.device | None:
+def target_device(args: tuple, kwargs: dict) -> torch.device | None:
     """The device ``Tensor.to(*args, **kwargs)`` sends a tensor to (None: where it is)."""
     kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
     try:
@@ -209,7 +209,7 @@ def _to_wrapper(fn):
     def to(self, *args, **kwargs):
         if _reading():
             return fn(self, *args, **kwargs)
-        device = _target_device(args, kwargs)
+        device = target_device(args, kwargs)
         if self.device.type != "cpu":  # ``x.to("cpu")`` of a device tensor is a D2H copy
             if device is not None and device.type == "cpu":
                 _count("to", self)

@@ -29,10 +29,15 @@ BEFORE = ("Before: 2026-11-25, torch 2.13.0+cpu, the tool unchanged (commit cea4
           "231 cases: 76 agree, 84 miss, 6 wrong_line, 19 vague, 22 false_alarm, 24 crash.")
 
 
-def known_source(results: list[Result], date: str) -> str:
-    """known.py's text: every case that does not agree, with the run's date and counts."""
+def _counts(results: list[Result]) -> str:
     n = Counter(r.outcome for r in results)
-    counts = ", ".join(f"{n[o]} {o}" for o in OUTCOMES)
+    return ", ".join(f"{n[o]} {o}" for o in OUTCOMES)
+
+
+def known_source(results: list[Result], inside: list[Result], date: str) -> str:
+    """known.py's text: every case that does not agree, with the run's date and counts; then
+    the same for the cases built inside ``with rehearsal():``."""
+    counts = _counts(results)
     lines = [
         '"""Every case whose outcome on the tool as it is does not ``agree``',
         "(tests/test_rehearsal_cases.py holds each to it until the tool is fixed, then asks for",
@@ -46,6 +51,11 @@ def known_source(results: list[Result], date: str) -> str:
     ]
     lines += [f"    {json.dumps(r.case.id)}: {json.dumps(r.outcome)},"
               for r in sorted(results, key=lambda r: r.case.id) if r.outcome != "agree"]
+    lines += ["}", "", "# Built inside `with rehearsal():`, which then knows the host tensors the "
+              "factory makes:", f"# {len(inside)} cases: {_counts(inside)}.",
+              "KNOWN_INSIDE: dict[str, str] = {"]
+    lines += [f"    {json.dumps(r.case.id)}: {json.dumps(r.outcome)},"
+              for r in sorted(inside, key=lambda r: r.case.id) if r.outcome != "agree"]
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -61,14 +71,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="the date written into known.py (default: today)")
     args = parser.parse_args(argv)
     results = [run(c) for c in CASES]
+    inside = [run(c, inside=True) for c in CASES]
     print(table(results))
+    print(f"\nbuilt inside `with rehearsal():`: {_counts(inside)}")
     if args.verbose:
-        for r in results:
+        for r in results + [r for r in inside if r.outcome != "agree"]:
             if r.outcome != "agree":
                 detail = r.detail.replace("\n", " | ")
                 print(f"{r.outcome:<11} {r.case.id}: {detail[:300]}")
     if args.write_known:
-        KNOWN_FILE.write_text(known_source(results, args.date))
+        KNOWN_FILE.write_text(known_source(results, inside, args.date))
         print(f"wrote {KNOWN_FILE}")
     return 0
 

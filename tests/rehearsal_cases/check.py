@@ -27,6 +27,7 @@ import torch
 from torch.distributions import Distribution
 
 from labkit import rehearse
+from labkit.doctor.rehearsal import rehearsal
 
 from .registry import CLASSES, Case
 
@@ -70,10 +71,11 @@ def classify(case: Case, report: Any) -> str:
     return "agree"
 
 
-def run(case: Case) -> Result:
+def run(case: Case, inside: bool = False) -> Result:
     """Build the case and rehearse it, torch's and Python's global RNG put back after; an
     exception from the factory is the case's bug and propagates, one from ``rehearse`` is a
-    crash."""
+    crash. ``inside``: build it inside ``with rehearsal():`` (which then knows the host tensors
+    the factory makes), as the rehearsal's docs advise for state kept on the host."""
     py_state = random.getstate()
     validate = Distribution._validate_args
     try:
@@ -81,17 +83,19 @@ def run(case: Case) -> Result:
                 contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             torch.manual_seed(0)
+            outer = rehearsal(strict=False) if inside else contextlib.nullcontext()
             # A fresh process validates distributions' arguments; the first torch.compile in a
             # process turns that off for good (torch/_dynamo/eval_frame.py, TorchPatcher.patch:
             # Distribution.set_default_validate_args(False)), so each case starts from the
             # fresh process's default, whatever ran before it.
             Distribution.set_default_validate_args(True)
-            fn, args = case.build()
-            try:
-                report = rehearse(fn, *args)
-            except Exception as exc:  # the tool must never raise on a step: the finding
-                lines = str(exc).strip().splitlines() or [""]
-                return Result(case, "crash", f"{type(exc).__name__}: {lines[0]}")
+            with outer:
+                fn, args = case.build()
+                try:
+                    report = rehearse(fn, *args)
+                except Exception as exc:  # the tool must never raise on a step: the finding
+                    lines = str(exc).strip().splitlines() or [""]
+                    return Result(case, "crash", f"{type(exc).__name__}: {lines[0]}")
     finally:
         random.setstate(py_state)
         Distribution.set_default_validate_args(validate)

@@ -5,7 +5,7 @@ its line to be removed)."""
 # 231 cases: 76 agree, 84 miss, 6 wrong_line, 19 vague, 22 false_alarm, 24 crash.
 # Now: generated 2026-11-25 with torch 2.13.0+cpu by
 # `python -m tests.rehearsal_cases --write-known`:
-# 231 cases: 213 agree, 13 miss, 4 wrong_line, 0 vague, 1 false_alarm, 0 crash.
+# 231 cases: 218 agree, 13 miss, 0 wrong_line, 0 vague, 0 false_alarm, 0 crash.
 
 KNOWN: dict[str, str] = {
     "cpu_counter-bias_corrected_ema": "miss",
@@ -20,10 +20,11 @@ KNOWN: dict[str, str] = {
     "d2h-metrics_logger": "miss",
     "d2h-slice_assign_into_host_stats": "miss",
     "host_index-cpu_index_tensor": "miss",
-    "nested-jagged_layout": "false_alarm",
     "random_branch-numpy_augmentation": "miss",
-    "sparse-graph_conv_module": "wrong_line",
-    "sparse-helper_coalesce": "wrong_line",
-    "sparse-message_passing": "wrong_line",
-    "sparse-to_sparse_in_step": "wrong_line",
+}
+
+# Built inside `with rehearsal():`, which then knows the host tensors the factory makes:
+# 231 cases: 230 agree, 1 miss, 0 wrong_line, 0 vague, 0 false_alarm, 0 crash.
+KNOWN_INSIDE: dict[str, str] = {
+    "random_branch-numpy_augmentation": "miss",
 }
