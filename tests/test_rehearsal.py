@@ -386,3 +386,14 @@ def test_cli_rehearse(capsys, argv, code, needle):
     assert needle in (out.out if code < 2 else out.err)
     if code == 2:
         assert out.err.startswith("error: ") and out.err.count("\n") == 1
+
+
+def test_the_kernel_sync_table_was_read_from_the_installed_torch():
+    """labkit/doctor/kernel_syncs.py was read from one torch's ATen sources: another torch
+    may sync in other kernels, or no longer in these, so the table is read again (by the
+    procedure in its docstring) and READ_FROM updated."""
+    from labkit.doctor import kernel_syncs
+
+    assert torch.__version__.split("+")[0] == kernel_syncs.READ_FROM, (
+        f"torch {torch.__version__} is installed; labkit/doctor/kernel_syncs.py was read from "
+        f"{kernel_syncs.READ_FROM}: read its ops again")
