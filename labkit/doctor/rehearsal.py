@@ -16,15 +16,21 @@ shape or unsafe in a CUDA graph; an op whose CUDA kernel reads the device on the
 (``labkit.doctor.kernel_syncs``, read from torch's sources at one version); a synchronize
 inside the capture; an optimizer stepped inside the capture without ``capturable=True``;
 Python or NumPy data made a tensor inside the capture (a 0-d host scalar excepted); a tensor
-made without ``device=`` mixed with device tensors; a random op on a generator the graph does
-not know; outputs whose shapes or Python values differ between the warm-up and the capture.
+made without ``device=`` mixed with device tensors; a copy between the device and pageable host
+memory; a random op on a generator the graph does not know. And what a capture accepts but
+replays differently: a Python value, tensor binding, branch, seed or host random draw that
+changes between calls; an op on host tensors only (it runs once, at capture); outputs whose
+shapes or Python values differ between the warm-up and the capture.
 
 What it cannot see, so a step outside this list is not judged by it: what a kernel does inside
 beyond the ops listed in ``kernel_syncs`` (an unlisted op that syncs inside its CUDA kernel
 passes); compiled functions, which run eagerly inside the rehearsal (a ``torch.compile``d step
 is judged as its eager ops); cuDNN and cuBLAS workspace allocation on the capture stream; the
 graph memory pool; stream ordering, and CUDA calls from other threads; philox offsets across
-replays; collectives inside a captured step. It never measures speed: stage 8's timing on a
+replays; collectives inside a captured step; host state made before the rehearsal that the step
+does not hold itself (see :func:`rehearse`); a NumPy random draw, unless it changes the ops of
+the calls compared (NumPy's generators are compiled methods that no Python hook sees). It never
+measures speed: stage 8's timing on a
 CPU stays ``skipped: needs CUDA`` in the ladder.
 """
 from __future__ import annotations
@@ -38,7 +44,9 @@ from typing import Any
 import torch
 
 from ..measure.syncmeter import short_path
-from .standin import EXPLAIN, REHEARSED, CaptureError, Problem, Tracer, frozen_values, rehearsal
+from .frozen import Tracer, frozen_values
+from .origins import host_state
+from .standin import EXPLAIN, REHEARSED, CaptureError, Problem, rehearsal
 
 __all__ = ["REHEARSED", "CaptureError", "Problem", "Report", "StageReport", "rehearsal",
            "rehearse", "rehearse_stage"]
@@ -92,15 +100,17 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
     both); the last two warm-up calls and the capture are compared op by op. Nothing is
     replayed when a real capture would have failed.
 
-    Host tensors are known by where they were made: inside the step, or anywhere inside an
-    enclosing ``with rehearsal():``. Build the step's state inside one to have a CPU step
-    counter or learning rate made with the model checked too::
+    Host tensors are known by where they were made: inside the step; anywhere inside an
+    enclosing ``with rehearsal():``; and, for the state ``fn`` holds (its closure, its
+    module's or object's attributes, its globals), by the code that made it
+    (:mod:`labkit.doctor.origins`). State made elsewhere (passed in through a container, made
+    by a factory function in a library) is taken for device tensors unless it was made
+    inside a rehearsal: build the step's state inside one to have it all checked::
 
         with rehearsal():
             model, opt, counter = build()
             report = rehearse(step, batch)
-
-    A tensor made before any rehearsal began is taken for a device tensor."""
+    """
     from ..capture import clone_state
 
     if isinstance(replays, bool) or not isinstance(replays, int) or replays < 0:
@@ -112,6 +122,9 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
     report = Report()
     site = f"{getattr(fn, '__qualname__', repr(fn))}"
     with rehearsal(strict=False) as r:
+        for tensor, made in host_state(fn):  # a CPU step counter in its closure, say
+            if tensor not in r.host:
+                r.host[tensor] = made
         static = clone_state(args)
         traces = []
         for i in range(warmup):  # the reader's code, eagerly: its own errors are its own

@@ -51,14 +51,14 @@ _PASS_THROUGH = (os.path.join("torch", "utils", "_python_dispatch.py"),
 _LIFTS = ("aten::lift_fresh", "aten::lift_fresh_copy", "aten::lift")
 
 
-def _names_cpu(node: ast.expr) -> bool:
+def names_cpu(node: ast.expr) -> bool:
     """``"cpu"``, ``"cpu:0"``, ``torch.device("cpu")``: the CPU named in the code itself."""
     if isinstance(node, ast.Constant):
         return isinstance(node.value, str) and node.value.split(":")[0] == "cpu"
     if isinstance(node, ast.Call) and node.args and not node.keywords:
         name = node.func.attr if isinstance(node.func, ast.Attribute) else \
             getattr(node.func, "id", None)
-        return name == "device" and _names_cpu(node.args[0])
+        return name == "device" and names_cpu(node.args[0])
     return False
 
 
@@ -89,7 +89,7 @@ def _call_device(filename: str, span: tuple) -> str:
         device = node.args[0]  # x.to("cpu"), x.to(device)
     if device is None:
         return "none"
-    return "cpu" if _names_cpu(device) else "other"
+    return "cpu" if names_cpu(device) else "other"
 
 
 def frame_call_device(frame) -> str:

@@ -1,0 +1,172 @@
+"""What a CUDA graph freezes at capture, found by comparing eager calls with the capture op by op.
+
+A graph replays the kernels its capture recorded, with the arguments they had then: a Python
+number passed to an op (a row index, a learning rate), the tensor a name was bound to, the
+branch the Python code took. :class:`Tracer` records a call's ops as (op, its Python arguments,
+where its tensors come from); :func:`frozen_values` compares the call before the capture with the
+capture and reports the first difference at its line (a branch at its ``if``). Used by
+:func:`labkit.doctor.rehearsal.rehearse`, which traces its last two warm-up calls and the
+capture.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..measure.syncmeter import call_site, parse_site, source_lines
+from .standin import EXPLAIN, Problem, _dense, _key
+
+
+class Tracer(TorchDispatchMode):
+    """The ops of one call, each as (op, its Python arguments, where its tensors come from),
+    to compare an eager call with the capture that follows it: a value that differs is one a
+    graph freezes at capture. A tensor input is named by the op of this call that made it, or,
+    made before the call, by its memory (the tracer holds every input, so no address is reused
+    while it lives); ``sites`` also notes each op's line in the caller's code."""
+
+    def __init__(self, sites: bool = False) -> None:
+        super().__init__()
+        self.sites = sites
+        self.ops: list[tuple] = []
+        self.where: list[str] = []
+        self._made: dict[int, tuple[int, int]] = {}  # id(tensor) -> (op, output) in this call
+        self._held: list[Any] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "profiler":
+            return func(*args, **kwargs)
+        self._held.append((args, kwargs))
+        if func.overloadpacket.__name__ in _LIFTS:  # Python data made a tensor: its values
+            self.ops.append((func, tuple(_data(v) for v in args), self._plain(kwargs)))
+        else:
+            self.ops.append((func, self._plain(args), self._plain(kwargs)))
+        if self.sites:
+            self.where.append(call_site(internal=(__file__,)))
+        out = func(*args, **kwargs)
+        self._held.append(out)
+        for i, value in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(value, torch.Tensor):
+                self._made[id(value)] = (len(self.ops) - 1, i)
+        return out
+
+    def site_of(self, tensor: torch.Tensor) -> str | None:
+        """The line of the op that made ``tensor`` in the traced call (None: not made there,
+        or no lines noted)."""
+        made = self._made.get(id(tensor))
+        return self.where[made[0]] if made is not None and self.where else None
+
+    def _plain(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            made = self._made.get(id(value))
+            if made is not None:
+                return ("made", made)
+            return ("before", _key(value), value.storage_offset() if _dense(value) else 0)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._plain(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._plain(v) for k, v in value.items()}
+        if isinstance(value, float) and value != value:
+            return "nan"
+        return value
+
+
+#: The ops that make a tensor of Python data (``torch.tensor(...)``, a scalar in ``y[m] = 0.0``).
+_LIFTS = {"lift_fresh", "lift", "lift_fresh_copy"}
+
+
+def _data(value: Any) -> Any:
+    """A fresh tensor of Python data, by its values (read without an op: no dispatch)."""
+    if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+        return ("data", value.dtype, torch._C.TensorBase.tolist(value))
+    return value
+
+
+def frozen_values(before: Tracer, capture: Tracer) -> list[Problem]:
+    """What the capture froze that differs from the eager call before it: a Python value
+    passed to an op (an index, a learning rate, a seed), a tensor made by an earlier call read
+    in place of the one before (state rebound each call: replays read the warm-up's), or
+    other ops altogether (a Python branch)."""
+    for i, (b, c) in enumerate(zip(before.ops, capture.ops)):
+        if b == c:
+            continue
+        where = capture.where[i] if i < len(capture.where) else "<unknown>"
+        if b[0] != c[0]:
+            return [Problem("frozen_value", _branch(before, capture, i) or where, (
+                f"{EXPLAIN['frozen_branch']}: the call before ran {b[0]}, the capture {c[0]}"))]
+        what = _first_change(b[1:], c[1:])
+        return [Problem("frozen_value", where, f"{EXPLAIN['frozen_value']}: {c[0]} {what}")]
+    if len(before.ops) != len(capture.ops):
+        i = min(len(before.ops), len(capture.ops))
+        where = capture.where[-1] if capture.where else "<unknown>"
+        return [Problem("frozen_value", _branch(before, capture, i) or where, (
+            f"{EXPLAIN['frozen_branch']}: the call before ran {len(before.ops)} ops, the "
+            f"capture {len(capture.ops)}"))]
+    return []
+
+
+def _branch(before: Tracer, capture: Tracer, i: int) -> str | None:
+    """The ``if`` or ``while`` whose taken branch differs between the two calls: the innermost
+    one enclosing the first op that differs, in the capture or in the call before."""
+    for trace in (capture, before):
+        if i < len(trace.where):
+            found = _enclosing_branch(trace.where[i])
+            if found:
+                return found
+    return None
+
+
+def _enclosing_branch(site: str) -> str | None:
+    """``site`` moved to the line of the innermost ``if``/``while`` (or ``x if c else y``)
+    around it in its function's source, or None."""
+    parsed = parse_site(site)
+    if parsed is None:
+        return None
+    path, line, func, _ = parsed
+    tree = _syntax(path)
+    inner = None
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, (ast.If, ast.While, ast.IfExp)) and \
+                node.lineno < line <= (node.end_lineno or node.lineno) or \
+                isinstance(node, ast.IfExp) and node.lineno == line:
+            if inner is None or node.lineno >= inner.lineno:
+                inner = node
+    return f"{path}:{inner.lineno} ({func})" if inner is not None else None
+
+
+@functools.lru_cache(maxsize=256)
+def _syntax(path: str) -> Any:
+    """The parsed source of a call site's file (None where it cannot be read)."""
+    text = "".join(source_lines(path))
+    try:
+        return ast.parse(text) if text else None
+    except SyntaxError:
+        return None
+
+
+def _first_change(before: Any, after: Any) -> str:
+    """The first argument that differs, said for people."""
+    flat_b, flat_a = _flat_args(before), _flat_args(after)
+    for x, y in zip(flat_b, flat_a):
+        if x != y:
+            if isinstance(x, tuple) and x and x[0] in ("made", "before") or \
+                    isinstance(y, tuple) and y and y[0] in ("made", "before"):
+                return ("reads another tensor than in the call before (state rebound to a new "
+                        "tensor each call: replays read the one the capture saw; update it in "
+                        "place)")
+            return f"was given {x!r} in the call before and {y!r} at capture"
+    return "changed"
+
+
+def _flat_args(value: Any) -> list:
+    if isinstance(value, tuple) and value and value[0] in ("made", "before"):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flat_args(v)]
+    if isinstance(value, dict):
+        return [x for k in sorted(value) for x in _flat_args(value[k])]
+    return [value]

@@ -1,0 +1,138 @@
+"""Where the tensors a step keeps were made, read from the code that made them.
+
+A CPU rehearsal cannot tell a host tensor from a device tensor by looking at it: on the CPU
+every tensor is both. The capture's own tensors are followed as they are made
+(:mod:`labkit.doctor.standin`), but a step's state is made before: a CPU step counter in a
+closure (``t = torch.zeros((), device="cpu")``), a host buffer kept as a module's attribute
+(``self.host = torch.zeros(3)`` in ``__init__``). :func:`host_state` finds that state the way a
+reader would: for each tensor the step holds (its closure's variables, the attributes of the
+module or object it is a method of, the globals it names), the last assignment to that name in
+the source that defines it; a constructor there that names the CPU, or names no device and takes
+no tensor to copy one from, made a host tensor. Parameters and buffers are left out (``.to``
+moves them with their module), and so is anything whose source cannot be read or whose last
+assignment is not a plain constructor call: those stay device tensors, the cautious side for a
+false alarm.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..measure.hostflow import names_cpu
+
+#: torch's calls that make a tensor from nothing or from Python data.
+_MAKERS = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn",
+           "randint", "linspace", "logspace", "eye", "scalar_tensor", "zeros_like",
+           "ones_like", "empty_like", "full_like", "rand_like", "randn_like"}
+
+
+def host_state(fn: Callable) -> list[tuple[torch.Tensor, str]]:
+    """(tensor, ``file:line (name)`` where it was made) for each tensor ``fn`` holds that was
+    made on the host (see the module docstring)."""
+    found: list[tuple[torch.Tensor, str]] = []
+    for value, name, scope in _held(fn):
+        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+            continue
+        site = _made_on_host(scope, name)
+        if site is not None:
+            found.append((value, site))
+    return found
+
+
+def _held(fn: Callable) -> Iterator[tuple[Any, str, Any]]:
+    """(value, the name it is bound to, where that name is assigned) for what ``fn`` holds:
+    its closure's variables (assigned in the enclosing function), its globals (in its
+    module), and, for a method or a module, its object's plain attributes (in its class)."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(fn, torch.nn.Module):
+        owner, fn = fn, type(fn).forward
+    func = getattr(fn, "__func__", fn)
+    func = getattr(func, "func", func)  # functools.partial
+    code = getattr(func, "__code__", None)
+    if code is not None:
+        for name, cell in zip(code.co_freevars, getattr(func, "__closure__", None) or ()):
+            try:
+                yield cell.cell_contents, name, ("closure", func)
+            except ValueError:  # an empty cell
+                continue
+        module = inspect.getmodule(func)
+        for name in code.co_names:
+            if name in getattr(func, "__globals__", {}):
+                yield func.__globals__[name], name, ("module", module)
+    if owner is not None:
+        skip = set(getattr(owner, "_parameters", {})) | set(getattr(owner, "_buffers", {}))
+        for name, value in vars(owner).items():
+            if name not in skip:
+                yield value, name, ("class", type(owner))
+
+
+def _made_on_host(scope: tuple, name: str) -> str | None:
+    """Where ``name`` was last assigned a host tensor in ``scope``, or None."""
+    kind, holder = scope
+    try:
+        if kind == "closure":
+            lines, start = _enclosing(holder)
+        else:
+            lines, start = inspect.getsourcelines(holder)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+        path = inspect.getsourcefile(holder if kind != "closure" else holder.__code__)
+    except (OSError, TypeError, SyntaxError):
+        return None
+    last = None
+    nodes = tree.body if kind == "module" else ast.walk(tree)  # a module's own names only
+    for node in nodes:
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AnnAssign) and node.value else [])
+        for target in targets:
+            assigned = target.attr if kind == "class" and isinstance(target, ast.Attribute) \
+                and isinstance(target.value, ast.Name) and target.value.id == "self" else (
+                target.id if kind != "class" and isinstance(target, ast.Name) else None)
+            if assigned == name and (last is None or node.lineno > last.lineno):
+                last = node
+    if last is None or not _host_constructor(last.value):
+        return None
+    from ..measure.syncmeter import short_path
+
+    return f"{short_path(path)}:{max(start, 1) + last.lineno - 1} ({name})"
+
+
+def _enclosing(func: Callable) -> tuple[list[str], int]:
+    """The source lines of the function that defines ``func`` (a closure), and its first
+    line number."""
+    lines, _ = inspect.findsource(func)
+    tree = ast.parse("".join(lines))
+    line = func.__code__.co_firstlineno
+    best = None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                node.lineno < line <= (node.end_lineno or node.lineno):
+            if best is None or node.lineno > best.lineno:
+                best = node
+    if best is None:
+        raise OSError("no enclosing function")
+    return lines[best.lineno - 1:best.end_lineno], best.lineno
+
+
+def _host_constructor(node: ast.expr | None) -> bool:
+    """A call of a tensor maker that names the CPU, or no device and no tensor-like
+    argument to take one from (a name, an attribute or a call could be a tensor)."""
+    if not isinstance(node, ast.Call):
+        return False
+    name = node.func.attr if isinstance(node.func, ast.Attribute) else \
+        getattr(node.func, "id", None)
+    if name not in _MAKERS:
+        return False
+    device = next((k.value for k in node.keywords if k.arg == "device"), None)
+    if device is not None:
+        return names_cpu(device)
+    if name.endswith("_like"):
+        return False  # on its input's device
+    if name in ("tensor", "as_tensor"):  # from data, which could be a tensor on a device
+        return all(isinstance(a, (ast.Constant, ast.Tuple, ast.List, ast.UnaryOp, ast.BinOp))
+                   for a in node.args[:1])
+    return True  # sizes and values: the default device, the CPU
