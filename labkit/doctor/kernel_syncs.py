@@ -2,13 +2,18 @@
 their kernel (a capture on a GPU fails there), and ops whose host read happens on the CPU only
 (CUDA checks on the device instead, so a capture succeeds).
 
-Read from PyTorch's ATen sources at the version below, by this procedure: for every op a
-training step commonly calls, find its CUDA implementation in ``aten/src/ATen/native`` (the
-function named in ``native_functions.yaml``'s ``dispatch: CUDA`` entry, or the composite
-function that calls it) and look for a host read inside it (``.item()``, ``item<T>()``,
-``_local_scalar_dense``, ``at::cuda::memcpy_and_sync``, a stream synchronize), and for a
-read guarded by ``device().type() != kCUDA``. The table names the function where the read is;
-a test fails when the installed torch is not this version, so the table is read again.
+Read from the torch below by two procedures. (1) torch's own docstrings: every public function
+of ``torch`` and ``torch.linalg`` whose docstring notes that on CUDA it "synchronizes" with the
+CPU (``[n for n in dir(torch.linalg) if "synchroniz" in getattr(torch.linalg, n).__doc__]``:
+cholesky, cond, eig, eigh, eigvals, eigvalsh, inv, ldl_factor, lu_factor, matrix_rank, pinv,
+solve, svd, svdvals and their ``_ex`` forms with ``check_errors=True``; ``torch.normal`` with
+a tensor ``std``; nonzero and repeat_interleave, which torch tags already), mapped to the aten
+ops it dispatches, traced on the CPU. (2) ATen's sources, for ops their docs do not mention:
+find the CUDA implementation in ``aten/src/ATen/native`` and look for a host read in it
+(``.item()``, ``item<T>()``, ``_local_scalar_dense``, ``memcpy_and_sync``, a synchronize), or a
+read guarded by ``device().type() != kCUDA``. An op that neither names is not in the table: a
+sync inside it goes unseen. A test fails when the installed torch is not this version, so the
+table is read again.
 """
 from __future__ import annotations
 
@@ -59,6 +64,30 @@ IN_KERNEL: dict[str, tuple[Callable[[dict[str, Any]], bool], str]] = {
     "_to_sparse": (
         lambda named: True,
         "to_sparse finds the nonzero entries, whose count the host reads"),
+    # torch.linalg.eigh/eigvalsh (and pinv, matrix_rank with hermitian=True): "synchronizes
+    # that device with the CPU" (their docstrings); the kernel checks its info
+    "_linalg_eigh": (
+        lambda named: True,
+        "torch.linalg.eigh / eigvalsh synchronize with the CPU on CUDA (their docs: the error "
+        "check of the kernel's info)"),
+    # svd, svdvals, cond, matrix_rank, matrix_norm(ord=2): the same note
+    "_linalg_svd": (
+        lambda named: True,
+        "torch.linalg.svd / svdvals (and cond, matrix_rank, matrix_norm(ord=2), which use "
+        "them) synchronize with the CPU on CUDA (their docs)"),
+    "linalg_eig": (
+        lambda named: True,
+        "torch.linalg.eig / eigvals synchronize with the CPU on CUDA (their docs)"),
+    "linalg_pinv": (
+        lambda named: True,
+        "torch.linalg.pinv synchronizes with the CPU on CUDA (its docs: it uses svd or eigh)"),
+    # torch.normal's docstring: "When std is a CUDA tensor, this function synchronizes";
+    # DistributionTemplates.h CHECK_NORMAL_TENSOR_STD reads std.min() >= 0 on the host
+    "normal": (
+        lambda named: isinstance(named.get("std"), torch.Tensor),
+        "torch.normal with a tensor std checks std >= 0 on the host (its docs: it "
+        "synchronizes); so do Normal(...).sample() and rsample's callers of normal: draw "
+        "mean + std * torch.randn_like(std) instead"),
     "histc": (
         _histc_reads,
         "histc without a range (min == max) reads the input's min and max on the host (give "

@@ -16,6 +16,7 @@ false alarm.
 from __future__ import annotations
 
 import ast
+import collections
 import inspect
 import textwrap
 from collections.abc import Callable, Iterator
@@ -42,6 +43,61 @@ def host_state(fn: Callable) -> list[tuple[torch.Tensor, str]]:
         if site is not None:
             found.append((value, site))
     return found
+
+
+def python_state(fn: Callable) -> dict[str, Any]:
+    """The Python values ``fn`` holds, by name: numbers and bools, and the numbers in and
+    lengths of the dicts, lists and deques it holds (a step counter, a history), so that a
+    change made by an eager call can be seen (a replay runs no Python)."""
+    state: dict[str, Any] = {}
+    for value, name, _ in _held(fn):
+        if isinstance(value, (bool, int, float)):
+            state[name] = value
+        elif isinstance(value, dict):
+            state[f"len({name})"] = len(value)
+            for key, item in list(value.items())[:64]:
+                if isinstance(item, (bool, int, float)):
+                    state[f"{name}[{key!r}]"] = item
+        elif isinstance(value, (list, collections.deque)):
+            state[f"len({name})"] = len(value)
+        elif _is_host_generator(value):  # a draw moves its state
+            state[f"the state of {name}, a host random generator"] = _generator_state(value)
+    return state
+
+
+class _Held:
+    """A host random generator that a step holds, and how to read its state."""
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+
+    def state(self) -> int:
+        return _generator_state(self.generator)
+
+
+def held_generators(fn: Callable) -> list[_Held]:
+    """The host random generators (Python's, NumPy's) that ``fn`` holds."""
+    return [_Held(v) for v, _, _ in _held(fn) if _is_host_generator(v)]
+
+
+def _is_host_generator(value: Any) -> bool:
+    import random
+    import sys
+
+    numpy = sys.modules.get("numpy")
+    kinds = (random.Random,) + ((numpy.random.Generator, numpy.random.RandomState)
+                                if numpy is not None else ())
+    return isinstance(value, kinds)
+
+
+def _generator_state(value: Any) -> int:
+    """A fingerprint of a host generator's state: it changes with every draw."""
+    import random
+
+    if isinstance(value, random.Random):
+        return hash(value.getstate())
+    state = value.bit_generator.state if hasattr(value, "bit_generator") else value.get_state()
+    return hash(repr(state))
 
 
 def _held(fn: Callable) -> Iterator[tuple[Any, str, Any]]:

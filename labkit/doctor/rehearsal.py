@@ -36,6 +36,7 @@ CPU stays ``skipped: needs CUDA`` in the ladder.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ import torch
 
 from ..measure.syncmeter import short_path
 from .frozen import Tracer, frozen_values
-from .origins import host_state
+from .origins import host_state, python_state
 from .standin import EXPLAIN, REHEARSED, CaptureError, Problem, rehearsal
 
 __all__ = ["REHEARSED", "CaptureError", "Problem", "Report", "StageReport", "rehearsal",
@@ -126,14 +127,23 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
             if tensor not in r.host:
                 r.host[tensor] = made
         static = clone_state(args)
-        traces = []
-        for i in range(warmup):  # the reader's code, eagerly: its own errors are its own
-            if i < warmup - 2:
-                warm = fn(*static)
-                continue
-            with Tracer(sites=True) as tracer:  # the last two, to compare with the capture
-                warm = fn(*static)
-            traces.append(tracer)
+        traces, python = [], []
+        try:
+            for i in range(warmup):  # the reader's code, eagerly
+                if i < warmup - 2:
+                    warm = fn(*static)
+                    continue
+                before = python_state(fn)
+                with Tracer(sites=True) as tracer, _drawing(fn) as drawn:  # the last two,
+                    warm = fn(*static)                                 # to compare
+                traces.append(tracer)
+                python.append(_changed(before, python_state(fn)))
+        except Exception as err:  # noqa: BLE001 - on the CPU, before any capture: said once
+            report.problems = [Problem("unsupported", site, (
+                f"{EXPLAIN['unsupported']}: the step raised in an eager warm-up call on the "
+                f"CPU, before any capture (a GPU-only call the rehearsal does not stand in "
+                f"for, or the step's own error): {_said(err)}"))]
+            return report
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph), Tracer(sites=True) as captured, \
@@ -141,10 +151,11 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
                 out = fn(*static)
             report.problems = list(r.problems)
             report.problems += _output_problems(warm, out, captured, returned[-1:] or [site])
-            if not report.problems:  # a problem already stops the capture; else what it froze
-                report.problems = (frozen_values(traces[-1], captured) or
+            if not report.problems and warmup > 1:  # what the capture froze (the first call
+                report.problems = (frozen_values(traces[-1], captured) or  # may set state up)
                                    (frozen_values(traces[0], traces[-1])
-                                    if len(traces) == 2 else []))
+                                    if len(traces) == 2 else []) or
+                                   _python_frozen(python[-1], fn, drawn))
             if report.ok:
                 for _ in range(replays):
                     graph.replay()
@@ -152,10 +163,36 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
             report.outputs = out
         except Exception as err:  # noqa: BLE001 - what the rehearsal cannot model, said once
             report.problems = [*r.problems, Problem("unsupported", site, (
-                f"{EXPLAIN['unsupported']}: {type(err).__name__}: "
-                f"{' '.join(str(err).split())[:300]}"))]
+                f"{EXPLAIN['unsupported']}: {_said(err)}"))]
             report.replays = 0
     return report
+
+
+def _said(err: BaseException) -> str:
+    """An exception on one line: its type and message (its repr if it has none)."""
+    text = " ".join(str(err).split()) or repr(err)
+    return f"{type(err).__name__}: {text[:300]}"
+
+
+def _changed(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple]:
+    return {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+
+
+def _python_frozen(changed: dict[str, tuple], fn: Callable, drawn: list[str]
+                   ) -> list[Problem]:
+    """Python state that the last eager call changed: a replay runs no Python, so it stays
+    where the capture left it (a step counter, a list of outputs, a schedule's position, a
+    host random generator: then at the line that drew from it)."""
+    if not changed:
+        return []
+    if drawn:
+        return [Problem("frozen_value", drawn[0], EXPLAIN["host_random"])]
+    code = getattr(getattr(fn, "forward", fn), "__code__", None) or getattr(
+        getattr(getattr(fn, "forward", fn), "__func__", None), "__code__", None)
+    where = (f"{short_path(code.co_filename)}:{code.co_firstlineno} ({code.co_name})"
+             if code is not None else getattr(fn, "__qualname__", repr(fn)))
+    shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in list(changed.items())[:3])
+    return [Problem("frozen_value", where, f"{EXPLAIN['python_state']}: {shown}")]
 
 
 def _output_problems(warm: Any, out: Any, captured: Tracer, returned: list[str]
@@ -178,6 +215,44 @@ def _output_problems(warm: Any, out: Any, captured: Tracer, returned: list[str]
                 f"{EXPLAIN['not_static']}: {path}, a {type(v).__name__}, was {w!r} in the "
                 f"call before and {v!r} at capture")))
     return problems
+
+
+@contextlib.contextmanager
+def _drawing(fn: Callable) -> Iterator[list[str]]:
+    """The lines of the caller's code where a host random generator that ``fn`` holds was
+    drawn from (NumPy's generators are compiled: no profile hook sees their calls), found by
+    the generators' state changing between two lines; nothing is traced if it holds none."""
+    from .origins import held_generators
+
+    generators = held_generators(fn)
+    seen: list[str] = []
+    if not generators:
+        yield seen
+        return
+    library = (os.path.dirname(os.__file__), os.path.dirname(torch.__file__),
+               os.path.dirname(os.path.dirname(__file__)), os.sep + "numpy" + os.sep)
+    last: list = [None, [g.state() for g in generators]]
+    previous = sys.gettrace()
+
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename.startswith(library) or "numpy" in frame.f_code.co_filename:
+            return None
+        return local
+
+    def local(frame, event, arg):
+        if event in ("line", "return"):
+            now = [g.state() for g in generators]
+            if now != last[1] and last[0] is not None and not seen:
+                seen.append(last[0])
+            last[:] = [f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} "
+                       f"({frame.f_code.co_name})", now]
+        return local
+
+    sys.settrace(trace)
+    try:
+        yield seen
+    finally:
+        sys.settrace(previous)
 
 
 @contextlib.contextmanager

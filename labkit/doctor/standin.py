@@ -53,6 +53,7 @@ import contextlib
 import math
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -121,6 +122,8 @@ EXPLAIN = {
                  "\"Attempting CUDA graph capture of step() ... but param_groups' capturable is "
                  "False\" (build it with capturable=True and a tensor learning rate)",
     "unsupported": "the rehearsal cannot model this step, so it cannot say whether it captures",
+    "python_state": "the step changes Python state (eager calls move it on; a replay runs no "
+                    "Python, so it stays where the capture left it)",
     "frozen_value": "a value that changes between eager calls is frozen at capture: every "
                     "replay uses the capture's (keep it in a device tensor updated in place)",
     "frozen_branch": "the capture ran other ops than the eager call before it (Python control "
@@ -365,8 +368,11 @@ class _Recorder(TorchDispatchMode):
             return host[0]
         name = func.overloadpacket.__name__
         target = named[0][1] if named else None
+        source = named[1][1] if len(named) > 1 else None
         if name in ("copy_", "_copy_from") and isinstance(target, torch.Tensor) \
-                and target in self.host and not self.rehearsal.in_read:
+                and target in self.host and not self.rehearsal.in_read \
+                and not (isinstance(source, torch.Tensor) and (source in self.host
+                                                               or source in self.lifts)):
             self._problem("host_copy", f"{EXPLAIN['host_copy']} (made at {self.host[target]})")
             return None
         mixed = [self.host[t] for t in tensors if t in self.host and t.dim() > 0]
@@ -652,7 +658,7 @@ class _Watch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.unpin and getattr(func, "__name__", "") == "pin_memory":
-            return args[0]
+            return args[0].clone()  # a copy, as pinning makes one
         if self.unpin and kwargs.get("pin_memory"):
             kwargs = {**kwargs, "pin_memory": False}
         host = self.owner.host
@@ -744,17 +750,17 @@ class rehearsal:  # noqa: N801 - used like torch's context managers
         try:
             with meter, _HostMade(recorder), recorder, _host_random(recorder):
                 yield
-        finally:
+        finally:  # what the capture found is kept, also when the step raised in it
             self.capturing, self.recorder = False, None
             recorder.undo()
-        reads: dict[str, list] = {}  # by the line in labkit or user code; torch's line kept
-        for site, n in meter.sites.items():
-            reads.setdefault(site.split(" via ")[0], [site, 0])[1] += n
-        found = [Problem("host_read", site, f"{EXPLAIN['host_read']} ({n}x)")
-                 for site, n in reads.values()] + recorder.problems
-        found = list({(p.kind, p.where): p for p in found}.values())
-        self.problems += found
-        cuda_graph.ops = recorder.ops
+            reads: dict[str, list] = {}  # by the line in labkit or user code; torch's kept
+            for site, n in meter.sites.items():
+                reads.setdefault(site.split(" via ")[0], [site, 0])[1] += n
+            found = [Problem("host_read", site, f"{EXPLAIN['host_read']} ({n}x)")
+                     for site, n in reads.values()] + recorder.problems
+            found = list({(p.kind, p.where): p for p in found}.values())
+            self.problems += found
+            cuda_graph.ops = recorder.ops
         if found and self.strict:
             raise CaptureError(found)
 
@@ -772,6 +778,11 @@ class rehearsal:  # noqa: N801 - used like torch's context managers
     # ------------------------------------------------------------------ enter / exit
 
     def __enter__(self) -> rehearsal:
+        owner = _ACTIVE[0].thread if _ACTIVE else None
+        if owner is not None and owner != threading.get_ident():
+            raise RuntimeError("a rehearsal is running in another thread: it stands in for "
+                               "torch.cuda process-wide, so rehearse one step at a time")
+        self.thread = threading.get_ident()
         stack = self._stack.__enter__()
         try:
             for name, value in self._stand_ins().items():
