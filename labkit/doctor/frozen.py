@@ -38,8 +38,8 @@ class Tracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "profiler":
-            return func(*args, **kwargs)
+        if func.namespace == "profiler" or func.overloadpacket.__name__ in _READS:
+            return func(*args, **kwargs)  # a host read is no device work a graph would hold
         self._held.append((args, kwargs))
         if func.overloadpacket.__name__ in _LIFTS:  # Python data made a tensor: its values
             self.ops.append((func, tuple(_data(v) for v in args), self._plain(kwargs)))
@@ -75,6 +75,10 @@ class Tracer(TorchDispatchMode):
         return value
 
 
+#: A tensor's value read on the host (``.item()``, ``bool(t)``): the capture reports such a
+#: read itself, and one that only an eager call makes (``if not capturing: log(x.item())``,
+#: torch's own idiom) changes nothing a replay computes.
+_READS = {"_local_scalar_dense", "is_nonzero"}
 #: The ops that make a tensor of Python data (``torch.tensor(...)``, a scalar in ``y[m] = 0.0``).
 _LIFTS = {"lift_fresh", "lift", "lift_fresh_copy"}
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..measure.hostflow import names_cpu
+from ..measure.hostflow import name_device, names_cpu
 
 #: torch's calls that make a tensor from nothing or from Python data.
 _MAKERS = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn",
@@ -37,11 +37,31 @@ def host_state(fn: Callable) -> list[tuple[torch.Tensor, str]]:
     made on the host (see the module docstring)."""
     found: list[tuple[torch.Tensor, str]] = []
     for value, name, scope in _held(fn):
+        if isinstance(value, dict):  # st = {"t": torch.zeros(())}: the entries made there
+            found += _dict_on_host(value, scope, name)
         if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
             continue
         site = _made_on_host(scope, name)
         if site is not None:
             found.append((value, site))
+    return found
+
+
+def _dict_on_host(value: dict, scope: tuple, name: str) -> list[tuple[torch.Tensor, str]]:
+    """The tensors of dict ``value`` that its literal, assigned to ``name``, made on the host."""
+    assigned = _assignment(scope, name)
+    if assigned is None or not isinstance(assigned[0].value, ast.Dict):
+        return []
+    from ..measure.syncmeter import short_path
+
+    node, path, start = assigned
+    found = []
+    for key, made in zip(node.value.keys, node.value.values):
+        held = value.get(key.value) if isinstance(key, ast.Constant) else None
+        if isinstance(held, torch.Tensor) and _host_constructor(
+                made, lambda var: name_device(path, start, var) == "cpu"):
+            found.append((held, f"{short_path(path)}:{max(start, 1) + made.lineno - 1} "
+                                f"({name}[{key.value!r}])"))
     return found
 
 
@@ -109,6 +129,7 @@ def _held(fn: Callable) -> Iterator[tuple[Any, str, Any]]:
         owner, fn = fn, type(fn).forward
     func = getattr(fn, "__func__", fn)
     func = getattr(func, "func", func)  # functools.partial
+    func = inspect.unwrap(func) if callable(func) else func  # @torch.no_grad() and kin
     code = getattr(func, "__code__", None)
     if code is not None:
         for name, cell in zip(code.co_freevars, getattr(func, "__closure__", None) or ()):
@@ -129,6 +150,35 @@ def _held(fn: Callable) -> Iterator[tuple[Any, str, Any]]:
 
 def _made_on_host(scope: tuple, name: str) -> str | None:
     """Where ``name`` was last assigned a host tensor in ``scope``, or None."""
+    found = _assignment(scope, name)
+    if found is None:
+        return None
+    node, path, start = found
+    if not _host_constructor(node.value, lambda var: name_device(path, start, var) == "cpu"):
+        return None
+    from ..measure.syncmeter import short_path
+
+    return f"{short_path(path)}:{max(start, 1) + node.lineno - 1} ({name})"
+
+
+def disabled_scalers(fn: Callable) -> list[Any]:
+    """The ``GradScaler``s ``fn`` holds that its code made with ``enabled=False``: torch also
+    disables a CUDA scaler where CUDA is missing, so only the code says which a GPU runs."""
+    found = []
+    for value, name, scope in _held(fn):
+        if isinstance(value, torch.amp.GradScaler):
+            made = _assignment(scope, name)
+            call = made[0].value if made is not None else None
+            if isinstance(call, ast.Call) and any(
+                    k.arg == "enabled" and isinstance(k.value, ast.Constant)
+                    and k.value.value is False for k in call.keywords):
+                found.append(value)
+    return found
+
+
+def _assignment(scope: tuple, name: str) -> tuple[ast.stmt, str, int] | None:
+    """(the last assignment to ``name`` in ``scope``'s source, its file, the line the parsed
+    source starts at), or None where the source cannot say."""
     kind, holder = scope
     try:
         if kind == "closure":
@@ -139,6 +189,9 @@ def _made_on_host(scope: tuple, name: str) -> str | None:
         path = inspect.getsourcefile(holder if kind != "closure" else holder.__code__)
     except (OSError, TypeError, SyntaxError):
         return None
+    if kind == "class" and any(isinstance(n, ast.Call) and getattr(n.func, "id", None)
+                               == "setattr" for n in ast.walk(tree)):
+        return None  # attributes rebound by name (a hand-written .to()): the source cannot say
     last = None
     nodes = tree.body if kind == "module" else ast.walk(tree)  # a module's own names only
     for node in nodes:
@@ -150,11 +203,7 @@ def _made_on_host(scope: tuple, name: str) -> str | None:
                 target.id if kind != "class" and isinstance(target, ast.Name) else None)
             if assigned == name and (last is None or node.lineno > last.lineno):
                 last = node
-    if last is None or not _host_constructor(last.value):
-        return None
-    from ..measure.syncmeter import short_path
-
-    return f"{short_path(path)}:{max(start, 1) + last.lineno - 1} ({name})"
+    return None if last is None else (last, path, start)
 
 
 def _enclosing(func: Callable) -> tuple[list[str], int]:
@@ -174,9 +223,9 @@ def _enclosing(func: Callable) -> tuple[list[str], int]:
     return lines[best.lineno - 1:best.end_lineno], best.lineno
 
 
-def _host_constructor(node: ast.expr | None) -> bool:
-    """A call of a tensor maker that names the CPU, or no device and no tensor-like
-    argument to take one from (a name, an attribute or a call could be a tensor)."""
+def _host_constructor(node: ast.expr | None, cpu_name: Callable[[str], bool]) -> bool:
+    """A call of a tensor maker that names the CPU (literally, or by a variable last assigned
+    the CPU literally: ``cpu_name``), or no device and no tensor to take one from."""
     if not isinstance(node, ast.Call):
         return False
     name = node.func.attr if isinstance(node.func, ast.Attribute) else \
@@ -185,7 +234,7 @@ def _host_constructor(node: ast.expr | None) -> bool:
         return False
     device = next((k.value for k in node.keywords if k.arg == "device"), None)
     if device is not None:
-        return names_cpu(device)
+        return names_cpu(device) or (isinstance(device, ast.Name) and cpu_name(device.id))
     if name.endswith("_like"):
         return False  # on its input's device
     if name in ("tensor", "as_tensor"):  # from data, which could be a tensor on a device

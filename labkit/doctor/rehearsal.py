@@ -46,7 +46,7 @@ import torch
 
 from ..measure.syncmeter import short_path
 from .frozen import Tracer, frozen_values
-from .origins import host_state, python_state
+from .origins import disabled_scalers, host_state, python_state
 from .standin import EXPLAIN, REHEARSED, CaptureError, Problem, rehearsal
 
 __all__ = ["REHEARSED", "CaptureError", "Problem", "Report", "StageReport", "rehearsal",
@@ -126,6 +126,7 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
         for tensor, made in host_state(fn):  # a CPU step counter in its closure, say
             if tensor not in r.host:
                 r.host[tensor] = made
+        r.disabled_scalers |= {id(scaler) for scaler in disabled_scalers(fn)}
         static = clone_state(args)
         traces, python = [], []
         try:
@@ -146,16 +147,19 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
             return report
         try:
             graph = torch.cuda.CUDAGraph()
+            before = python_state(fn)
             with torch.cuda.graph(graph), Tracer(sites=True) as captured, \
                     _returning(fn) as returned:
                 out = fn(*static)
+            at_capture = _changed(before, python_state(fn))
             report.problems = list(r.problems)
             report.problems += _output_problems(warm, out, captured, returned[-1:] or [site])
             if not report.problems and warmup > 1:  # what the capture froze (the first call
                 report.problems = (frozen_values(traces[-1], captured) or  # may set state up)
                                    (frozen_values(traces[0], traces[-1])
                                     if len(traces) == 2 else []) or
-                                   _python_frozen(python[-1], fn, drawn))
+                                   _python_frozen({k: v for k, v in python[-1].items()
+                                                   if k in at_capture}, fn, drawn))
             if report.ok:
                 for _ in range(replays):
                     graph.replay()
@@ -180,9 +184,11 @@ def _changed(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple]:
 
 def _python_frozen(changed: dict[str, tuple], fn: Callable, drawn: list[str]
                    ) -> list[Problem]:
-    """Python state that the last eager call changed: a replay runs no Python, so it stays
-    where the capture left it (a step counter, a list of outputs, a schedule's position, a
-    host random generator: then at the line that drew from it)."""
+    """Python state that the last eager call and the capture both changed: eager calls go on
+    changing it, a replay runs no Python, so it stays where the capture left it (a step
+    counter, a list of outputs, a host random generator: then at the line that drew from it).
+    State only eager calls change (``if not torch.cuda.is_current_stream_capturing():``) is
+    the code's own choice."""
     if not changed:
         return []
     if drawn:

@@ -70,11 +70,14 @@ from ..measure.syncmeter import (
     parse_site,
     short_path,
     source_line,
+    stands_in,
     target_device,
     wraps_method,
 )
 from ..stages import assuming
 from .kernel_syncs import checks_on_cpu_only, in_kernel_sync
+
+stands_in(__file__)  # a problem's line is the caller's, never a stand-in's
 
 _TAGS = {torch.Tag.data_dependent_output: "data_dependent",
          torch.Tag.dynamic_output_shape: "dynamic_shape"}
@@ -113,8 +116,8 @@ EXPLAIN = {
     "host_to_device": "a host tensor copied to the device inside the capture: a copy from "
                       "pageable host memory, which a capture cannot record (copy it once, "
                       "outside, into a device tensor, and update that in place)",
-    "host_copy": "a copy from the device into a tensor made without device=, in pageable host "
-                 "memory: the copy waits for the device, and a capture cannot wait",
+    "host_copy": "a copy from the device into a host tensor, in pageable memory: the copy "
+                 "waits for the device, and a capture cannot wait",
     "stream_sync": "a synchronize inside the capture: on a GPU it ends the capture "
                    "(\"operation not permitted when stream is capturing\"); drop it, or move it "
                    "after the replay",
@@ -122,6 +125,9 @@ EXPLAIN = {
                  "\"Attempting CUDA graph capture of step() ... but param_groups' capturable is "
                  "False\" (build it with capturable=True and a tensor learning rate)",
     "unsupported": "the rehearsal cannot model this step, so it cannot say whether it captures",
+    "scaler": "GradScaler.step(optimizer) reads found_inf on the host (.item()) before it steps "
+              "an optimizer that is not fused: a capture cannot wait for it (use a fused "
+              "optimizer, which takes the scale and found_inf on the device)",
     "python_state": "the step changes Python state (eager calls move it on; a replay runs no "
                     "Python, so it stays where the capture left it)",
     "frozen_value": "a value that changes between eager calls is frozen at capture: every "
@@ -139,6 +145,9 @@ EXPLAIN = {
 #: Tagged dynamic_output_shape for boolean masks only: with integer indices the output has
 #: the indices' shape.
 _INDEXING = {"index", "_unsafe_index"}
+#: In-place ops that change a tensor's shape or strides, not its data.
+_META_INPLACE = {"squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_",
+                 "as_strided_", "resize_", "resize_as_", "detach_"}
 #: Writes through an index (``x[i] = v``, ``index_put``).
 _INDEX_PUTS = {"index_put_", "index_put", "_index_put_impl_"}
 #: Allocations: a replay keeps the buffer a capture made, so they are not re-run.
@@ -187,10 +196,12 @@ class _Op:
     func: Any
     args: tuple
     kwargs: dict
-    fresh: list[torch.Tensor | None]  # the outputs made at capture, None where one aliases
+    fresh: list[tuple | None]  # (output made at capture, its shape, strides, offset); None
+    # where one aliases an input
     runs: bool  # False for pure views and allocations: their outputs stay as captured
     rng_state: tuple[torch.Generator, torch.Tensor] | None = None  # an unregistered generator
     modes: tuple[bool, bool] = (False, False)  # grad and inference mode at capture
+    shapes: dict[int, tuple] | None = None  # id(tensor argument) -> its shape, strides, offset
 
 
 def _returns(schema: Any, out: Any) -> list[tuple[Any, Any]]:
@@ -230,6 +241,26 @@ def _same_generator(a: torch.Generator, b: torch.Generator) -> bool:
 def _dense(t: torch.Tensor) -> bool:
     """A tensor with one plain storage (not sparse, not nested)."""
     return t.layout == torch.strided and not t.is_nested
+
+
+def _as_made(t: torch.Tensor, *made: Any) -> torch.Tensor:
+    """``t`` with the shape, strides and offset ``made`` it had when the capture made it (a
+    later in-place ``squeeze_``/``transpose_`` changed its view of the same memory, not the
+    memory)."""
+    if not made or (tuple(t.shape), t.stride(), t.storage_offset()) == made:
+        return t
+    return torch.as_strided(t, *made)
+
+
+def _as_captured(value: Any, shapes: dict[int, tuple] | None) -> Any:
+    """``value`` (an op's argument) with each tensor seen as it was at capture (see
+    :func:`_as_made`)."""
+    if isinstance(value, torch.Tensor):
+        made = (shapes or {}).get(id(value))
+        return value if made is None else _as_made(value, *made)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_captured(v, shapes) for v in value)
+    return value
 
 
 def _key(t: torch.Tensor) -> int:
@@ -287,20 +318,26 @@ class _Recorder(TorchDispatchMode):
                     t for v in out for t in _tensors(v)]:
                 self.host[t] = host
         inputs = {_key(t) for _, v in named for t in _tensors(v)}
-        fresh: list[torch.Tensor | None] = []
+        fresh: list[tuple | None] = []
         for ret, value in _returns(schema, out):
             if ret.alias_info is None and isinstance(value, torch.Tensor) \
                     and _key(value) not in inputs:
                 self.made.add(_key(value))
                 self.fresh.append(value)
-                fresh.append(value)
+                fresh.append((value, *((tuple(value.shape), value.stride(),
+                                        value.storage_offset()) if _dense(value) else ())))
             else:
                 fresh.append(None)
         pure_view = not writes and all(r.alias_info is not None for r in schema.returns)
-        # a CPU op runs once, at capture: the graph holds only device work
-        runs = not pure_view and func.overloadpacket.__name__ not in _ALLOCATIONS and not host
+        # a CPU op runs once, at capture: the graph holds only device work; a view made in
+        # place (squeeze_, transpose_) changes the tensor's shape, not its memory: done once
+        name = func.overloadpacket.__name__
+        runs = not pure_view and name not in _ALLOCATIONS and name not in _META_INPLACE \
+            and not host
         self.ops.append(_Op(func, args, kwargs, fresh, runs, rng_state,
-                            (torch.is_grad_enabled(), torch.is_inference_mode_enabled())))
+                            (torch.is_grad_enabled(), torch.is_inference_mode_enabled()),
+                            {id(t): (tuple(t.shape), t.stride(), t.storage_offset())
+                             for _, v in named for t in _tensors(v) if _dense(t)}))
         return out
 
     def _save(self, t: torch.Tensor) -> None:
@@ -549,13 +586,14 @@ class _Graph:
             # runs below autograd, where the capture saw it: a replay records no graph
             with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
                     torch._C._AutoDispatchBelowAutograd():
-                out = op.func(*op.args, **op.kwargs)
+                out = op.func(*_as_captured(op.args, op.shapes),
+                              **{k: _as_captured(v, op.shapes) for k, v in op.kwargs.items()})
             if op.rng_state is not None:
                 gen.set_state(now)
             with torch.inference_mode(inference), torch.no_grad():
-                for static, (_, value) in zip(op.fresh, _returns(op.func._schema, out)):
-                    if static is not None and value is not static:
-                        static.copy_(value)
+                for made, (_, value) in zip(op.fresh, _returns(op.func._schema, out)):
+                    if made is not None and value is not made[0]:
+                        _as_made(*made).copy_(value)
         self.replays += 1
 
     def reset(self) -> None:
@@ -580,6 +618,30 @@ class _Stream:
 
     def record_event(self, event: Any = None) -> Any:
         return event
+
+
+class _Event:
+    """Stands in for ``torch.cuda.Event``: recording is legal in a capture; waiting on the
+    host for one (``synchronize``, ``elapsed_time``) is not."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        _synchronized("Event.synchronize()")
+
+    def elapsed_time(self, end: Any) -> float:
+        _synchronized("Event.elapsed_time()")
+        return 0.0
 
 
 #: What a rehearsal stands in for, for a stage's ``requires``: a pipeline built inside one
@@ -678,6 +740,21 @@ class _Watch(TorchFunctionMode):
         return out
 
 
+def _scaler_step(original: Callable) -> Callable:
+    """``GradScaler.step``'s stand-in: a scaler made for CUDA (disabled by torch where CUDA is
+    missing) reads ``found_inf`` with ``.item()`` before it steps an optimizer that cannot take
+    the scale on the device (torch/amp/grad_scaler.py ``_maybe_opt_step``; a fused optimizer's
+    ``_step_supports_amp_scaling`` skips it): a problem inside a capture."""
+    def step(self, optimizer, *args, **kwargs):
+        recorder = _ACTIVE[-1].recorder if _ACTIVE else None
+        if recorder is not None and str(getattr(self, "_device", "")) == "cuda" \
+                and id(self) not in _ACTIVE[-1].disabled_scalers \
+                and not getattr(optimizer, "_step_supports_amp_scaling", False):
+            recorder._problem("host_read", EXPLAIN["scaler"])
+        return original(self, optimizer, *args, **kwargs)
+    return step
+
+
 def _capture_health_check(optimizer: torch.optim.Optimizer) -> None:
     """torch's check at the start of a capturable optimizer's ``step()``
     (``Optimizer._accelerator_graph_capture_health_check``, which returns at once without an
@@ -708,6 +785,11 @@ def _optimizer_stand_ins() -> list[tuple[Any, str, Any]]:
                 for name, module in list(sys.modules.items())
                 if name.startswith("torch.optim.") and module is not None
                 and hasattr(module, "_get_capturable_supported_devices")]
+    optimizer = sys.modules["torch.optim.optimizer"]
+    foreach = getattr(optimizer, "_get_foreach_kernels_supported_devices", None)
+    if foreach is not None:  # an optimizer left to choose picks foreach, as on CUDA
+        patches.append((optimizer, "_get_foreach_kernels_supported_devices",
+                        lambda: [*foreach(), "cpu"]))
     return patches
 
 
@@ -724,6 +806,7 @@ class rehearsal:  # noqa: N801 - used like torch's context managers
         self.recorder: _Recorder | None = None  # the capture's, while one runs
         # tensor -> where it was made on the host: from the start of the outermost rehearsal
         self.host = _ACTIVE[-1].host if _ACTIVE else WeakTensorKeyDictionary()
+        self.disabled_scalers: set[int] = set()  # GradScalers the code made disabled
         self.in_read = False
         self._stack = contextlib.ExitStack()
 
@@ -770,6 +853,8 @@ class rehearsal:  # noqa: N801 - used like torch's context managers
                 "current_stream": lambda device=None: _Stream(),
                 "synchronize": lambda device=None: _synchronized("torch.cuda.synchronize()"),
                 "is_current_stream_capturing": lambda: self.capturing,
+                "Event": _Event, "current_device": lambda: 0,
+                "default_stream": lambda device=None: _Stream(),
                 # torch.manual_seed and torch.random.manual_seed reach these two
                 "manual_seed": _seeded("torch.cuda.manual_seed", torch.cuda.manual_seed),
                 "manual_seed_all": _seeded("torch.cuda.manual_seed_all",
@@ -794,6 +879,12 @@ class rehearsal:  # noqa: N801 - used like torch's context managers
             stack.enter_context(_Watch(self, unpin=not torch.cuda.is_available()))
             for owner, name, value in _optimizer_stand_ins():
                 stack.enter_context(_patched(owner, name, value))
+            for name in ("range_push", "range_pop", "mark", "range_start", "range_end"):
+                if hasattr(torch.cuda.nvtx, name):  # profiler annotations: nothing to check
+                    stack.enter_context(_patched(torch.cuda.nvtx, name,
+                                                 lambda *args, **kwargs: 0))
+            scaler = torch.amp.GradScaler
+            stack.enter_context(_patched(scaler, "step", _scaler_step(scaler.step)))
             stack.enter_context(assuming(REHEARSED))
             _ACTIVE.append(self)
             stack.callback(_ACTIVE.remove, self)

@@ -89,16 +89,47 @@ def _call_device(filename: str, span: tuple) -> str:
         device = node.args[0]  # x.to("cpu"), x.to(device)
     if device is None:
         return "none"
+    if isinstance(device, ast.Name):
+        return f"name:{device.id}"  # what the name was assigned decides (frame_call_device)
     return "cpu" if names_cpu(device) else "other"
 
 
 def frame_call_device(frame) -> str:
-    """What the call ``frame`` is making says of its device (see :func:`_call_device`)."""
+    """What the call ``frame`` is making says of its device (see :func:`_call_device`); a
+    device named by a variable is the CPU when that variable was last assigned the CPU named
+    literally (``HOST = torch.device("cpu")``), in the function or at the module's top level,
+    and another device otherwise (``device = "cuda" if ... else "cpu"``, a parameter)."""
     positions = list(frame.f_code.co_positions())
     index = frame.f_lasti // 2
     if index >= len(positions):
         return "unknown"
-    return _call_device(frame.f_code.co_filename, positions[index])
+    said = _call_device(frame.f_code.co_filename, positions[index])
+    if not said.startswith("name:"):
+        return said
+    return name_device(frame.f_code.co_filename, frame.f_code.co_firstlineno, said[5:])
+
+
+@functools.lru_cache(maxsize=1024)
+def name_device(filename: str, first_line: int, name: str) -> str:
+    """"cpu" if ``name``'s last assignment in the function starting at ``first_line`` of
+    ``filename`` (or, not assigned there, at the module's top level) names the CPU."""
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except SyntaxError:
+        return "other"
+    scope = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef,
+                                                             ast.AsyncFunctionDef))
+                  and n.lineno == first_line), None)
+    for body in ([scope] if scope is not None else []) + [tree]:
+        nodes = ast.walk(body) if body is scope else body.body
+        values = [n.value for n in nodes if isinstance(n, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)]
+        if values:
+            return "cpu" if names_cpu(values[-1]) else "other"
+        if scope is not None and body is scope and name in {
+                a.arg for a in scope.args.args + scope.args.kwonlyargs}:
+            return "other"  # a parameter: its caller's value
+    return "other"
 
 
 def _caller_device() -> str:

@@ -96,6 +96,14 @@ _WRAPPERS = (os.path.join("_dynamo", "eval_frame.py"), os.path.join("torch", "_c
 
 #: A torch function or dispatch mode passes calls on: its hook is never a call site.
 _MODE_HOOKS = ("__torch_function__", "__torch_dispatch__")
+#: Files whose frames only stand in for torch's (the capture rehearsal's): never a call site.
+_STAND_INS: set[str] = set()
+
+
+def stands_in(path: str) -> None:
+    """Register ``path`` as a file of stand-ins for torch's functions: its frames are passed
+    over like torch's when a call site is looked for."""
+    _STAND_INS.add(path)
 
 
 def call_site(skip: int = 0, internal: tuple[str, ...] = ()) -> str:
@@ -104,7 +112,7 @@ def call_site(skip: int = 0, internal: tuple[str, ...] = ()) -> str:
     plus ``via`` the torch frame that made it, if any."""
     frame = sys._getframe(1 + skip)
     inner = None
-    own = (__file__, *internal)
+    own = (__file__, *internal, *_STAND_INS)
     while frame is not None and (frame.f_code.co_filename in own
                                  or frame.f_code.co_filename.startswith(_TORCH_DIR)
                                  or frame.f_code.co_name in _MODE_HOOKS):
@@ -213,7 +221,7 @@ def _to_wrapper(fn):
         if self.device.type != "cpu":  # ``x.to("cpu")`` of a device tensor is a D2H copy
             if device is not None and device.type == "cpu":
                 _count("to", self)
-        elif "cpu" in (*args[:1], kwargs.get("device")) and \
+        elif device is not None and device.type == "cpu" and \
                 hostflow.frame_call_device(sys._getframe(1)) in ("cpu", "unknown"):
             # a CPU tensor sent to "cpu" named in the code: a host read where CPU tensors stand
             # for device ones (``x.to(x.device)`` or ``x.to(device)`` with ``device`` a
