@@ -47,7 +47,14 @@ import torch
 from ..measure.syncmeter import short_path
 from .frozen import Tracer, frozen_values
 from .origins import disabled_scalers, host_state, python_state
-from .standin import EXPLAIN, REHEARSED, CaptureError, Problem, rehearsal
+from .standin import (
+    EXPLAIN,
+    REHEARSED,
+    CaptureError,
+    Problem,
+    profile_hook_free,
+    rehearsal,
+)
 
 __all__ = ["REHEARSED", "CaptureError", "Problem", "Report", "StageReport", "rehearsal",
            "rehearse", "rehearse_stage"]
@@ -232,7 +239,7 @@ def _drawing(fn: Callable) -> Iterator[list[str]]:
 
     generators = held_generators(fn)
     seen: list[str] = []
-    if not generators:
+    if not generators or sys.gettrace() is not None:  # a debugger or coverage owns the trace
         yield seen
         return
     library = (os.path.dirname(os.__file__), os.path.dirname(torch.__file__),
@@ -269,6 +276,9 @@ def _returning(fn: Callable) -> Iterator[list[str]]:
     code = getattr(getattr(target, "__func__", target), "__code__", None)
     seen: list[str] = []
     previous = sys.getprofile()
+    if code is None or not profile_hook_free(previous):  # a profiler owns the hook
+        yield seen
+        return
 
     def hook(frame, event, arg):
         if event == "return" and frame.f_code is code:
@@ -276,13 +286,12 @@ def _returning(fn: Callable) -> Iterator[list[str]]:
         if previous is not None:
             previous(frame, event, arg)
 
-    if code is not None:
-        sys.setprofile(hook)
+    hook.labkit = True  # type: ignore[attr-defined]
+    sys.setprofile(hook)
     try:
         yield seen
     finally:
-        if code is not None:
-            sys.setprofile(previous)
+        sys.setprofile(previous)
 
 
 def _leaves(value: Any) -> list:

@@ -547,6 +547,10 @@ def _maker_in_source(site: str) -> str:
     return f"{'Tensor.' if found[0].startswith('new_') else 'torch.'}{found[0]}(...)"
 
 
+#: Whether a torch function neither makes nor moves a tensor (filled as functions are met).
+_PLAIN: dict[Any, bool] = {}
+#: Calls that move a tensor between devices.
+_MOVES = {"to", "cpu", "cuda"}
 #: Calls that make a tensor from Python or NumPy data, besides torch's device constructors.
 _FROM_DATA = {"from_numpy", "new_tensor", "as_tensor", "tensor"}
 
@@ -574,6 +578,11 @@ class _Graph:
         """The recorded ops again, no Python: fresh results land in the capture's tensors."""
         if self.ops is None:
             raise RuntimeError("replay() of a graph that was never captured")
+        with torch._C.DisableTorchFunction():  # kernels only: no torch function mode sees them
+            self._run()
+        self.replays += 1
+
+    def _run(self) -> None:
         for op in self.ops:
             if not op.runs:
                 continue
@@ -594,7 +603,6 @@ class _Graph:
                 for made, (_, value) in zip(op.fresh, _returns(op.func._schema, out)):
                     if made is not None and value is not made[0]:
                         _as_made(*made).copy_(value)
-        self.replays += 1
 
     def reset(self) -> None:
         self.ops = None
@@ -677,6 +685,9 @@ def _host_random(recorder: _Recorder) -> Iterator[None]:
     generators' C methods, at the line of the caller's code that drew it."""
     kinds, previous = _host_generators(), sys.getprofile()
     library = (os.path.dirname(os.__file__), os.sep + "numpy" + os.sep)
+    if not profile_hook_free(previous):  # a profiler owns the hook: this check is skipped
+        yield
+        return
 
     def hook(frame, event, arg):
         if event == "c_call" and isinstance(getattr(arg, "__self__", None), kinds):
@@ -689,11 +700,18 @@ def _host_random(recorder: _Recorder) -> Iterator[None]:
         if previous is not None:
             previous(frame, event, arg)
 
+    hook.labkit = True  # type: ignore[attr-defined]
     sys.setprofile(hook)
     try:
         yield
     finally:
         sys.setprofile(previous)
+
+
+def profile_hook_free(previous: Any) -> bool:
+    """Whether the rehearsal may set a profile hook: none is set, or only its own (a profiler
+    such as cProfile, or a debugger, owns it otherwise: the checks that need it are skipped)."""
+    return previous is None or getattr(previous, "labkit", False)
 
 
 def _seeded(name: str, original: Callable) -> Callable:
@@ -719,13 +737,25 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.unpin and getattr(func, "__name__", "") == "pin_memory":
-            return args[0].clone()  # a copy, as pinning makes one
+        plain = _PLAIN.get(func)
+        if plain is None:  # once per function: does it make or move a tensor?
+            name = getattr(func, "__name__", "")
+            plain = _PLAIN[func] = not (name in _MOVES or func in _CONSTRUCTORS or name in
+                                        _FROM_DATA or name.endswith("_like")
+                                        or name == "pin_memory")
         if self.unpin and kwargs.get("pin_memory"):
             kwargs = {**kwargs, "pin_memory": False}
         host = self.owner.host
-        made, on_host = _made_on_host(func, args, kwargs, sys._getframe(1))
-        moved = _moved_to_host(func, args, kwargs, sys._getframe(1))
+        if plain:
+            if not len(host):  # no host tensor yet: nothing to follow (the common case)
+                return func(*args, **kwargs)
+            moved, made = None, False
+        elif self.unpin and getattr(func, "__name__", "") == "pin_memory":
+            return args[0].clone()  # a copy, as pinning makes one
+        else:
+            caller = sys._getframe(1)
+            made, on_host = _made_on_host(func, args, kwargs, caller)
+            moved = _moved_to_host(func, args, kwargs, caller)
         if moved is not None:
             on_host = moved
         elif not made:  # an op: on the host if every tensor it takes is
