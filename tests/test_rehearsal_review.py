@@ -3,23 +3,19 @@ a capturable step is ``ok``; a hazard is not, and a problem names its ``# HAZARD
 step is held to its known outcome (KNOWN_REVIEW) until the tool is fixed."""
 from __future__ import annotations
 
-import contextlib
 import inspect
-import io
 import re
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from torch.distributions import Distribution
 
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from rehearsal_cases import review_steps  # noqa: E402
+from rehearsal_cases import check, review_steps  # noqa: E402
 
 from labkit import rehearse  # noqa: E402
 
@@ -36,18 +32,9 @@ def _marked(factory) -> list[int]:
 
 
 def _outcome(expect: str, factory) -> str:
-    validate = Distribution._validate_args
-    try:
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), \
-                contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            torch.manual_seed(0)
-            # a fresh process's default: the first torch.compile turns validation off
-            Distribution.set_default_validate_args(True)
-            fn, args = factory()
-            report = rehearse(fn, *args)
-    finally:
-        Distribution.set_default_validate_args(validate)
+    with check.fresh_process():
+        fn, args = factory()
+        report = rehearse(fn, *args)
     if expect == "ok":
         return "agree" if report.ok else "false_alarm"
     if report.ok:

@@ -20,6 +20,7 @@ import random
 import re
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,11 +72,12 @@ def classify(case: Case, report: Any) -> str:
     return "agree"
 
 
-def run(case: Case, inside: bool = False) -> Result:
-    """Build the case and rehearse it, torch's and Python's global RNG put back after; an
-    exception from the factory is the case's bug and propagates, one from ``rehearse`` is a
-    crash. ``inside``: build it inside ``with rehearsal():`` (which then knows the host tensors
-    the factory makes), as the rehearsal's docs advise for state kept on the host."""
+@contextlib.contextmanager
+def fresh_process() -> Iterator[None]:
+    """A case's surroundings as in a fresh process: torch's and Python's RNG seeded and put
+    back after, warnings and prints kept quiet, and distributions validating their arguments
+    (the first torch.compile in a process turns that off for good: torch/_dynamo/eval_frame.py,
+    TorchPatcher.patch, Distribution.set_default_validate_args(False))."""
     py_state = random.getstate()
     validate = Distribution._validate_args
     try:
@@ -83,22 +85,25 @@ def run(case: Case, inside: bool = False) -> Result:
                 contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             torch.manual_seed(0)
-            outer = rehearsal(strict=False) if inside else contextlib.nullcontext()
-            # A fresh process validates distributions' arguments; the first torch.compile in a
-            # process turns that off for good (torch/_dynamo/eval_frame.py, TorchPatcher.patch:
-            # Distribution.set_default_validate_args(False)), so each case starts from the
-            # fresh process's default, whatever ran before it.
             Distribution.set_default_validate_args(True)
-            with outer:
-                fn, args = case.build()
-                try:
-                    report = rehearse(fn, *args)
-                except Exception as exc:  # the tool must never raise on a step: the finding
-                    lines = str(exc).strip().splitlines() or [""]
-                    return Result(case, "crash", f"{type(exc).__name__}: {lines[0]}")
+            yield
     finally:
         random.setstate(py_state)
         Distribution.set_default_validate_args(validate)
+
+
+def run(case: Case, inside: bool = False) -> Result:
+    """Build the case and rehearse it in :func:`fresh_process`; an exception from the factory
+    is the case's bug and propagates, one from ``rehearse`` is a crash. ``inside``: build it
+    inside ``with rehearsal():`` (which then knows the host tensors the factory makes), as the
+    rehearsal's docs advise for state kept on the host."""
+    with fresh_process(), rehearsal(strict=False) if inside else contextlib.nullcontext():
+        fn, args = case.build()
+        try:
+            report = rehearse(fn, *args)
+        except Exception as exc:  # the tool must never raise on a step: the finding
+            lines = str(exc).strip().splitlines() or [""]
+            return Result(case, "crash", f"{type(exc).__name__}: {lines[0]}")
     return Result(case, classify(case, report), str(report))
 
 
