@@ -7,6 +7,8 @@
 #   LABKIT_GIT_COMMIT=<hash> bash scripts/gpu_session.sh [--tests] [--notebooks]
 #                                                        [--part P,Q,...] [--run ID]
 #
+#   --cases      every step of the rehearsal's case sets judged by a real CUDA-graph capture
+#                (python -m tests.rehearsal_cases.real), its lines in $OUT/real_capture.jsonl
 #   --tests      the whole test suite, CUDA tests included (pytest -n 8)
 #   --notebooks  pytest --nbval on the notebooks as stored: compared outputs are the same on a GPU
 #   --part ...   python -m labkit record --device cuda --part ... (the parts: record --plan)
@@ -20,9 +22,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${LABKIT_GIT_COMMIT:?set LABKIT_GIT_COMMIT to the commit this tree is (git rev-parse HEAD)}"
 export LABKIT_GIT_COMMIT
-tests=0 notebooks=0 parts="" run=""
+cases=0 tests=0 notebooks=0 parts="" run=""
 while [ $# -gt 0 ]; do
     case "$1" in
+        --cases) cases=1 ;;
         --tests) tests=1 ;;
         --notebooks) notebooks=1 ;;
         --part) parts=${2:?--part needs a value}; shift ;;
@@ -58,6 +61,9 @@ step() {  # step NAME COMMAND...: run it under the time limit, log it, keep its 
     tail -n 25 "$OUT/$name.log"
     [ "$rc" = 0 ] || status=$rc
 }
+if [ "$cases" = 1 ]; then
+    step real-capture python3 -m tests.rehearsal_cases.real --out "$OUT/real_capture.jsonl"
+fi
 if [ "$tests" = 1 ]; then
     step tests python3 -m pytest -q -n 8 -p no:cacheprovider tests
 fi
