@@ -184,7 +184,8 @@ def judge(factory: Any) -> dict:
 
 
 def _worker(keys: list[str]) -> None:
-    """Judge ``keys`` in turn, one JSON line each; exit 3 when CUDA is left unusable."""
+    """Judge ``keys`` in turn, one JSON line each; exit 3 when CUDA, or its random number
+    generator, is left unusable (a refused capture can leave the generator mid-capture)."""
     import warnings
 
     import torch
@@ -202,7 +203,7 @@ def _worker(keys: list[str]) -> None:
         sys.__stdout__.flush()
         try:
             torch.cuda.synchronize()
-            torch.ones(1, device="cuda").add_(1).item()
+            torch.ones(1, device="cuda").add_(torch.randn(1, device="cuda")).item()
         except Exception:  # noqa: BLE001
             sys.exit(3)
 
