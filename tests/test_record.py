@@ -211,6 +211,14 @@ def test_the_plan_fits_every_command_in_the_budget(tmp_path, capsys):
         "device_name": "NVIDIA H100"}}}))
     part, minutes, source = estimates(parts, cuda, "full", tmp_path)[0]
     assert (part.name, minutes) == ("ladder-0", 2.0) and "measured 2026-11-24" in source
+    # a part cut short took at least that long: it goes alone, whatever the estimate said
+    (tmp_path / "record_log_cuda_full.json").write_text(json.dumps({"parts": {"ladder-0": {
+        "seconds": 120.0, "status": "interrupted", "date": "2026-11-24T10:00:00+00:00",
+        "device_name": "NVIDIA H100"}}}))
+    rows = estimates(parts, cuda, "full", tmp_path)
+    part, minutes, source = rows[0]
+    assert minutes == PART_BUDGET_MIN and "cut short after 2.0 min" in source
+    assert commands(rows)[0][0] == ["ladder-0"]
     # the CLI prints it and runs nothing
     assert cli.main(["record", "--device", "cpu", "--plan", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

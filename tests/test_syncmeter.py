@@ -70,6 +70,8 @@ def test_cuda_blocking_copy_and_sync_debug_mode():
         x.sum().item()
     assert m.counts["copy_"] == 1 and m.counts["item"] == 1
     assert m.cuda_syncs >= 1
+    assert sum(m.cuda_sync_sites.values()) == m.cuda_syncs
+    assert any(site.startswith(__file__) for site in m.cuda_sync_sites), m.cuda_sync_sites
 
 
 def test_call_sites_name_the_line_and_what_torch_did_for_it(cpu):

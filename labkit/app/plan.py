@@ -127,13 +127,17 @@ def estimates(parts: list[Part], device: torch.device, profile: str, out: str | 
     rows = []
     for part in parts:
         done = log.get(part.name)
-        if isinstance(done, dict) and done.get("status") == "done" \
-                and isinstance(done.get("seconds"), (int, float)):
-            rows.append((part, done["seconds"] / 60,
-                         f"measured {str(done.get('date', ''))[:10]} "
-                         f"on {done.get('device_name', '?')}"))
+        took = done.get("seconds") if isinstance(done, dict) else None
+        when = (f"{str(done.get('date', ''))[:10]} on {done.get('device_name', '?')}"
+                if isinstance(done, dict) else "")
+        if isinstance(took, (int, float)) and done.get("status") == "done":
+            rows.append((part, took / 60, f"measured {when}"))
             continue
         prior = _prior_minutes(part, device, profile)
+        if isinstance(took, (int, float)) and done.get("status") == "interrupted":
+            rows.append((part, max(took / 60, PART_BUDGET_MIN), f"cut short after "
+                         f"{took / 60:.1f} min {when}: at least that, planned alone"))
+            continue
         rows.append((part, prior, "estimate, not measured" if prior is not None
                      else "no estimate: never recorded on this kind of device"))
     return rows

@@ -66,6 +66,31 @@ def runs_note(result: dict) -> str:
             "of the same run only (`-` where the two rows come from different runs).")
 
 
+def absent_note(folder: Path, result: dict) -> str:
+    """Which stages a ladder file has no row for, and why where the record log says (a part
+    cut short by a time limit, say); "" when every stage is there."""
+    import torch
+
+    from ..stages import STAGES
+    from .results import read_json, record_log_path
+
+    have = {r["stage"] for r in result["ladder"]}
+    missing = [s for s in STAGES if s.index not in have]
+    if not missing:
+        return ""
+    meta = result["meta"]
+    log = (read_json(record_log_path(folder, torch.device(meta["device"]),
+                                     meta.get("profile", ""))) or {}).get("parts", {})
+    said = []
+    for s in missing:
+        part = log.get(f"ladder-{s.index}") or {}
+        why = (f"cut short after {part['seconds']:.0f} s ({part['date'][:10]}, "
+               f"{part['device_name']})" if part.get("status") == "interrupted"
+               else "not measured")
+        said.append(f"{s.index} {s.name}: {why}")
+    return f"Not in this table: stage {'; stage '.join(said)} (the record log)."
+
+
 def _said(result: dict) -> list[str]:
     """What the ladder record says, as Markdown list items computed from it (then a blank
     line), or nothing."""
@@ -127,7 +152,8 @@ def results_markdown(folder: str | Path) -> str:
                  f"profile {r['meta']['profile']}", "", _source(name, r["meta"]) + f"; N="
                  f"{run['n_envs']}, T={run['n_steps']}; matmul peak "
                  f"{r['peak_flops'] / 1e9:,.0f} GFLOP/s ({r['peak_dtype']}).", "",
-                 ladder_table(r), "", runs_note(r), "", *_said(r),
+                 ladder_table(r), "", runs_note(r), "",
+                 *([absent_note(folder, r), ""] if absent_note(folder, r) else []), *_said(r),
                  "Where an iteration goes (ms per iteration):", "",
                  phase_table(r), ""]
         if r["scaling"]:
@@ -174,8 +200,10 @@ def readme_section(folder: str | Path) -> str:
     def section() -> list[str]:
         run = r["config"]["run"]
         said = "".join(f"{line}\n" for line in _said(r))
+        absent = absent_note(Path(folder), r)
+        absent = f"{absent}\n\n" if absent else ""
         return [f"{gpu}From {_source(name, r['meta'])}; N={run['n_envs']}, "
-                f"T={run['n_steps']}:\n\n{ladder_table(r)}\n\n{runs_note(r)}\n\n{said}"
+                f"T={run['n_steps']}:\n\n{ladder_table(r)}\n\n{runs_note(r)}\n\n{absent}{said}"
                 f"![ladder](results/{Path(name).stem}_ladder.png)\n\n"
                 "Every recorded table (phases, scaling, env benchmark, learning) is in "
                 "[results/RESULTS.md](results/RESULTS.md).\n"]

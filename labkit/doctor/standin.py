@@ -104,8 +104,6 @@ EXPLAIN = {
     "host_random": "a number drawn from a host random generator (random, numpy.random) inside "
                    "the capture is drawn once, at capture: every replay reuses it (draw on the "
                    "device with a torch.Generator the graph registers)",
-    "pinned": "inside the capture: the pinned host allocator queries CUDA events to reuse its "
-              "blocks, which a capture forbids (allocate the pinned buffer once, outside)",
     "seed": "a seed set inside the captured step: a CUDA generator ignores a seed equal to its "
             "own during a capture and raises for another, so eager calls restart the random "
             "stream at every call while replays go on drawing new numbers (seed once, "
@@ -116,8 +114,9 @@ EXPLAIN = {
     "host_to_device": "a host tensor copied to the device inside the capture: a copy from "
                       "pageable host memory, which a capture cannot record (copy it once, "
                       "outside, into a device tensor, and update that in place)",
-    "host_copy": "a copy from the device into a host tensor, in pageable memory: the copy "
-                 "waits for the device, and a capture cannot wait",
+    "host_copy": "a copy from the device into a host tensor that waits for the device (into "
+                 "pageable memory, or without non_blocking=True), and a capture cannot wait "
+                 "(copy with non_blocking=True into a pinned buffer made once)",
     "stream_sync": "a synchronize inside the capture: on a GPU it ends the capture "
                    "(\"operation not permitted when stream is capturing\"); drop it, or move it "
                    "after the replay",
@@ -408,6 +407,7 @@ class _Recorder(TorchDispatchMode):
         source = named[1][1] if len(named) > 1 else None
         if name in ("copy_", "_copy_from") and isinstance(target, torch.Tensor) \
                 and target in self.host and not self.rehearsal.in_read \
+                and not (target in self.rehearsal.pinned and _non_blocking(named)) \
                 and not (isinstance(source, torch.Tensor) and (source in self.host
                                                                or source in self.lifts)):
             self._problem("host_copy", f"{EXPLAIN['host_copy']} (made at {self.host[target]})")
@@ -457,6 +457,12 @@ class _Recorder(TorchDispatchMode):
                         t.fill_(torch.iinfo(t.dtype).max)
 
 
+def _non_blocking(named: list) -> bool:
+    """Whether a ``copy_``'s named arguments ask for a non-blocking copy (into pinned host
+    memory that is an async copy a capture records; a blocking one waits for the device)."""
+    return any(arg.name == "non_blocking" and value is True for arg, value in named)
+
+
 def _made_on_host(func: Any, args: tuple, kwargs: dict, caller: Any) -> tuple[bool, bool]:
     """(whether ``func`` makes a tensor from nothing or from data, whether on a GPU that tensor
     would be a host tensor): a constructor or ``*_like`` given ``device=`` the CPU named in
@@ -503,10 +509,6 @@ class _HostMade(TorchFunctionMode):
         while hasattr(func, "labkit_original"):  # torch's method, not labkit's wrapper of it:
             func = func.labkit_original          # one read counts once
         recorder = self.recorder
-        fname = getattr(func, "__name__", "")
-        if kwargs.get("pin_memory") or fname == "pin_memory":
-            recorder._problem("host_memory", f"{_name(func)}(..., pin_memory=True) "
-                                             f"{EXPLAIN['pinned']}")
         cpu_only = checks_on_cpu_only(func, args, kwargs)
         made, host = _made_on_host(func, args, kwargs, sys._getframe(1))
         moved = _moved_to_host(func, args, kwargs, sys._getframe(1))
@@ -729,7 +731,7 @@ class _Watch(TorchFunctionMode):
     host tensors only) into ``owner.host``, so that a capture knows a CPU step counter made
     before it; and, on a machine without an accelerator, where torch has no pinned allocator,
     gives pageable memory for ``pin_memory=True`` and ``Tensor.pin_memory()``, so that code
-    written for a GPU runs (inside a capture the pinned allocation is a problem)."""
+    written for a GPU runs."""
 
     def __init__(self, owner: rehearsal, unpin: bool) -> None:
         super().__init__()
@@ -743,15 +745,18 @@ class _Watch(TorchFunctionMode):
             plain = _PLAIN[func] = not (name in _MOVES or func in _CONSTRUCTORS or name in
                                         _FROM_DATA or name.endswith("_like")
                                         or name == "pin_memory")
-        if self.unpin and kwargs.get("pin_memory"):
+        pinned = bool(kwargs.get("pin_memory"))
+        if self.unpin and pinned:
             kwargs = {**kwargs, "pin_memory": False}
         host = self.owner.host
         if plain:
             if not len(host):  # no host tensor yet: nothing to follow (the common case)
                 return func(*args, **kwargs)
             moved, made = None, False
-        elif self.unpin and getattr(func, "__name__", "") == "pin_memory":
-            return args[0].clone()  # a copy, as pinning makes one
+        elif getattr(func, "__name__", "") == "pin_memory":
+            out = args[0].clone() if self.unpin else func(*args, **kwargs)  # pinning copies
+            self.owner.pinned[out] = True
+            return out
         else:
             caller = sys._getframe(1)
             made, on_host = _made_on_host(func, args, kwargs, caller)
@@ -767,6 +772,8 @@ class _Watch(TorchFunctionMode):
             host.pop(out, None)
         elif on_host and isinstance(out, torch.Tensor) and out not in host:
             host[out] = call_site(internal=(__file__,))
+        if pinned and isinstance(out, torch.Tensor):
+            self.owner.pinned[out] = True
         return out
 
 
@@ -836,6 +843,8 @@ class rehearsal:  # noqa: N801 - used like torch's context managers
         self.recorder: _Recorder | None = None  # the capture's, while one runs
         # tensor -> where it was made on the host: from the start of the outermost rehearsal
         self.host = _ACTIVE[-1].host if _ACTIVE else WeakTensorKeyDictionary()
+        #: the host tensors made in pinned memory (pageable here where there is no GPU)
+        self.pinned = _ACTIVE[-1].pinned if _ACTIVE else WeakTensorKeyDictionary()
         self.disabled_scalers: set[int] = set()  # GradScalers the code made disabled
         self.in_read = False
         self._stack = contextlib.ExitStack()

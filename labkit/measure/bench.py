@@ -258,6 +258,7 @@ def _finish(t: _Timing, cfg: BenchConfig, lap_cost: float, peaks: dict | None) -
     row["update_ms"] = row["phase_ms"].get("update", 0.0)
     if pipe.device.type == "cuda":
         row["cuda_syncs_per_iter"] = m_roll.cuda_syncs + m_upd.cuda_syncs
+        row["cuda_sync_sites"] = dict(m_roll.cuda_sync_sites + m_upd.cuda_sync_sites)
     if peaks and pipe.precision.name in peaks:
         row["frac_of_peak"] = row["flops_per_s"] / peaks[pipe.precision.name]
     noise.judge(row)

@@ -282,6 +282,9 @@ class SyncMeter:
         self.sites: Counter[str] | None = Counter() if call_sites else None
         self.device_sites: Counter[str] | None = Counter() if call_sites else None
         self.cuda_syncs = 0
+        #: "file:line" -> count: where the Python code was when CUDA reported each sync (the
+        #: warning's frame; a sync in another thread, a logger's writer say, is counted too)
+        self.cuda_sync_sites: Counter[str] = Counter()
         self._cuda_debug = cuda_debug and torch.cuda.is_available()
         self._by_device = device is not None and torch.device(device).type != "cpu"
         self._thread = threading.get_ident()
@@ -335,7 +338,9 @@ class SyncMeter:
     def __exit__(self, *exc) -> None:
         if self._cuda_debug:
             torch.cuda.set_sync_debug_mode(self._old_mode)
-            self.cuda_syncs = sum("synchroniz" in str(w.message) for w in self._caught)
+            syncs = [w for w in self._caught if "synchroniz" in str(w.message)]
+            self.cuda_syncs = len(syncs)
+            self.cuda_sync_sites = Counter(f"{w.filename}:{w.lineno}" for w in syncs)
             self._warn_ctx.__exit__(*exc)
         with _lock:
             _active.remove(self)

@@ -6,7 +6,11 @@ to what CUDA does:
 
 For each step, two builds from the same seeds: one is warmed up (``WARMUP`` eager calls on a
 side stream, as torch's docs do), captured once and replayed ``REPLAYS`` times; the other is
-called eagerly ``WARMUP + REPLAYS`` times. ``refused``: the capture raised. ``replays_differ``:
+called eagerly ``WARMUP + REPLAYS`` times. Before each replay, and each eager call it is compared
+with, the floating-point inputs are scaled by a new factor (signs, positive definiteness and
+probabilities' ratios kept), as a training loop feeds new data, so that a value frozen at
+capture shows. ``refused``: the capture raised (``warmup_error``: an eager call raised first,
+on this GPU, before any capture). ``replays_differ``:
 a replay's outputs (tensors, and Python values) or the tensors the step holds (closure,
 module, optimizer, arguments) are not bit-identical to the eager call's at the same count.
 ``capturable``: every replay is. ``max_diff`` gives the largest difference, to tell a frozen
@@ -102,6 +106,8 @@ def _snapshot(out: Any, fn: Any, args: tuple) -> list:
     copied = []
     for p, v in found:
         if isinstance(v, torch.Tensor):
+            if v.is_meta:  # no data (vmap's stacked-parameter templates, say)
+                continue
             v = v.detach()
             if v.is_nested:  # compared element by element
                 v = torch.cat([t.reshape(-1) for t in v.unbind()])
@@ -135,6 +141,15 @@ def _diff(a: list, b: list) -> tuple[bool, float, str]:
     return not first, worst, first
 
 
+def _feed(static: Any, base: Any, k: int) -> None:
+    """The inputs of call ``k`` after the warm-up: ``base``'s floating-point tensors scaled by
+    ``1 + (k + 1) / 4``, copied into ``static`` in place (the captured addresses)."""
+    from labkit.capture import tree_tensors
+    for dst, src in zip(tree_tensors(static), tree_tensors(base), strict=True):
+        if dst.is_floating_point() and not dst.is_sparse and not dst.is_nested:
+            dst.copy_(src * (1 + (k + 1) / 4))
+
+
 def judge(factory: Any) -> dict:
     """The real-capture verdict of one step (see the module docstring)."""
     import torch
@@ -144,7 +159,7 @@ def judge(factory: Any) -> dict:
     Distribution.set_default_validate_args(True)  # as in a fresh process
     _seed()
     fn, args = factory()
-    static = clone_state(args)
+    static, base = clone_state(args), clone_state(args)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     try:
@@ -162,17 +177,21 @@ def judge(factory: Any) -> dict:
     except Exception as err:  # noqa: BLE001 - the capture refused the step
         return dict(real="refused", detail=f"{type(err).__name__}: {err}"[:400])
     replayed = []
-    for _ in range(REPLAYS):
+    for k in range(REPLAYS):
+        _feed(static, base, k)
         graph.replay()
         torch.cuda.synchronize()
         replayed.append(_snapshot(out, fn, static))
     del graph
     _seed()
     fn, args = factory()
-    static = clone_state(args)
+    static, base = clone_state(args), clone_state(args)
     for _ in range(WARMUP):
         fn(*static)
-    eager = [_snapshot(fn(*static), fn, static) for _ in range(REPLAYS)]
+    eager = []
+    for k in range(REPLAYS):
+        _feed(static, base, k)
+        eager.append(_snapshot(fn(*static), fn, static))
     worst, where = 0.0, ""
     for i, (a, b) in enumerate(zip(replayed, eager)):
         same, d, path = _diff(a, b)

@@ -156,8 +156,16 @@ CAPTURE_FLAG = ("torch.cuda.is_current_stream_capturing() is True only during th
 INVALIDATED = ("the host read inside the try raises at capture and invalidates the capture: "
                f"cudaStreamEndCapture then fails and the graph is never made ({CUDA_GUIDE}: an "
                "illegal operation invalidates the capture)")
-PINNED = (f"{NV_CHECKLIST}: no pinned memory allocation during capture (the caching host "
-          "allocator queries events, which a capture refuses)")
+PINNED = ("measured, against NVIDIA's checklist (no pinned memory allocation during capture): "
+          "a real capture on an NVIDIA H100 (torch 2.11.0+cu130, 2026-11-25, "
+          "results/real_capture_cuda.jsonl) accepted a pinned allocation that reuses a block "
+          "the warm-up calls freed, and three replays matched eager calls bit for bit")
+PINNED_ASYNC = ("aten/src/ATen/native/cuda/Copy.cu copy_kernel_cuda: a non_blocking device-to-host "
+                "copy into pinned memory is a cudaMemcpyAsync on the current stream, which a "
+                "capture records (no host wait)")
+PINNED_BLOCKING = ("aten/src/ATen/native/cuda/Copy.cu copy_kernel_cuda: without non_blocking the "
+                   "copy is at::cuda::memcpy_and_sync, which synchronizes the stream: illegal "
+                   "during a capture, pinned destination or not")
 SHAPE = ("shapes are fixed at capture: every replay computes the capture's shape while eager "
          f"calls follow the Python value ({TORCH_DOCS}: dynamic shapes are prohibited)")
 CLIP = ("torch/nn/utils/clip_grad.py:109 `if error_if_nonfinite and "
