@@ -221,10 +221,10 @@ STAGE_NAMES = tuple(s.name for s in STAGES)
 
 #: The stage a run uses when none is named, by device type: the fastest on that device in its
 #: recorded ladder (``results/ladder_<device>_*.json``; a test holds this to those files), not
-#: measured at start-up. The CPU's is ``results/ladder_cpu_quick.json``'s fastest. No GPU
-#: ladder is recorded yet: on CUDA, the last stage that runs on every GPU (``cuda_graphs``
-#: needs bf16).
-DEFAULT_STAGE: dict[str, str] = {"cpu": "numpy_vec", "cuda": "fused_amp"}
+#: measured at start-up. The CPU's is ``results/ladder_cpu_quick.json``'s fastest; CUDA's is
+#: ``results/ladder_cuda_full.json``'s (an H100), which needs bf16: on a GPU without it the
+#: default is :data:`REFERENCE_STAGE`, the last rung that runs on every GPU (:func:`default_stage`).
+DEFAULT_STAGE: dict[str, str] = {"cpu": "numpy_vec", "cuda": "cuda_graphs"}
 
 
 #: The last rung that runs on every device: what the doctor diagnoses when told nothing, and
@@ -233,8 +233,10 @@ REFERENCE_STAGE = "fused_amp"
 
 
 def default_stage(device: torch.device) -> str:
-    """The name of the stage a run on ``device`` uses when none is named (:data:`DEFAULT_STAGE`)."""
-    return DEFAULT_STAGE[device.type]
+    """The name of the stage a run on ``device`` uses when none is named: :data:`DEFAULT_STAGE`,
+    or :data:`REFERENCE_STAGE` where that one cannot run (a GPU without bf16)."""
+    name = DEFAULT_STAGE[device.type]
+    return REFERENCE_STAGE if get_stage(name).skip_reason(device) else name
 
 
 def describe_choices() -> str:

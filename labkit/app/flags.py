@@ -83,9 +83,10 @@ def choices() -> str:
 
 def default_stage_note() -> str:
     """The default stage, said once: the fastest on the device by the recorded ladder."""
-    from ..stages import DEFAULT_STAGE
+    from ..stages import DEFAULT_STAGE, REFERENCE_STAGE
     each = ", ".join(f"{name} on {kind}" for kind, name in DEFAULT_STAGE.items())
-    return f"default: the fastest on the device by the recorded ladder: {each}"
+    return (f"default: the fastest on the device by the recorded ladder: {each} "
+            f"({REFERENCE_STAGE} on a GPU without bf16)")
 
 
 def stage(text: str) -> str:
