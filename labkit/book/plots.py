@@ -146,9 +146,9 @@ def run_curve(run_dir: str | Path) -> list[dict]:
 
 
 def save_figures(result: dict, out_dir: str | Path, stem: str) -> list[Path]:
-    """Write the ladder, scaling, phases and learning-curve PNGs; return their paths. A result
-    with no ladder row yet (a record's sweep can come before its ladder) gets the scaling
-    figure only."""
+    """Write the ladder, scaling, phases and learning-curve PNGs; return their paths. A figure
+    whose section has no row yet (a record's sweep can come before its ladder, or its ladder
+    before its sweep) is not drawn."""
     plt = _plt()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +156,7 @@ def save_figures(result: dict, out_dir: str | Path, stem: str) -> list[Path]:
     for suffix, section, draw in (
             ("ladder", "ladder", ladder_bars), ("scaling", "scaling", scaling_lines),
             ("phases", "ladder", lambda r: phase_bars(r["ladder"], title=_title(r)))):
-        if section == "ladder" and not result.get("ladder"):
+        if not result.get(section):
             continue
         ax = draw(result)
         paths.append(out_dir / f"{stem}_{suffix}.png")
