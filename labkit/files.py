@@ -123,6 +123,39 @@ def check_output_dir(path: str | os.PathLike, what: str = "--out") -> Path:
     return path
 
 
+def link_refused(path: str | os.PathLike) -> str:
+    """The one line for a symbolic link where labkit writes a file of its own."""
+    return (f"{path} is a symbolic link; labkit does not write through links in its folders "
+            "(the file would land wherever it points): remove it")
+
+
+def no_links(folder: str | os.PathLike, names: Iterator[str] | tuple[str, ...]) -> None:
+    """Raise :class:`OutputError` if any of ``names`` in ``folder`` (a file labkit writes there,
+    or a subfolder of it, each component checked) is a symbolic link, dangling or not.
+    ``folder`` itself may be one: the user chose it."""
+    folder = Path(folder)
+    for name in names:
+        path = folder
+        for part in Path(name).parts:
+            path = path / part
+            if path.is_symlink():
+                raise OutputError(link_refused(path))
+
+
+def open_no_follow(path: str | os.PathLike, mode: str) -> IO[str]:
+    """``open(path, mode)`` for text writing ("w" or "a") that refuses a symbolic link in the
+    last component (:class:`OutputError`) instead of writing where it points."""
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | (
+        os.O_APPEND if mode == "a" else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError:
+        if os.path.islink(path):
+            raise OutputError(link_refused(path)) from None
+        raise
+    return open(fd, mode, encoding="utf-8")
+
+
 def describe_os_error(err: OSError) -> str:
     """One line for an OSError: what failed, on which path."""
     where = f" {err.filename}" if err.filename else ""
@@ -144,7 +177,12 @@ class FolderLock:
 
     def acquire(self) -> FolderLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link: a .lock link would have the pid written into its target
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError:
+            if os.path.islink(self.path):
+                raise OutputError(link_refused(self.path)) from None
+            raise
         try:
             _lock_fd(fd)
         except OSError:
@@ -156,6 +194,21 @@ class FolderLock:
         os.write(fd, str(os.getpid()).encode())
         self._fd = fd
         return self
+
+    def check(self) -> None:
+        """Raise :class:`OutputError` if the lock file was deleted or replaced while held: a
+        second process would then lock a new file and write the same folder alongside."""
+        if self._fd is None:
+            return
+        held = os.fstat(self._fd)
+        try:
+            now = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            raise OutputError(f"{self.path} was {'deleted' if now is None else 'replaced'} "
+                              "while this run held it: another labkit process could now write "
+                              f"{self.path.parent} too, so this one stops here")
 
     def release(self) -> None:
         if self._fd is not None:

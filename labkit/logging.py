@@ -25,7 +25,7 @@ from typing import IO
 
 import torch
 
-from .files import dumps
+from .files import dumps, open_no_follow
 
 Value = int | float | bool | torch.Tensor
 Target = str | os.PathLike | IO[str]
@@ -38,7 +38,7 @@ def _open(target: Target, mode: str) -> tuple[IO[str], bool]:
     """Return (stream, owned): a path is opened (and later closed) here, a stream is not."""
     if isinstance(target, (str, os.PathLike)):
         Path(target).parent.mkdir(parents=True, exist_ok=True)
-        return open(target, mode, encoding="utf-8"), True
+        return open_no_follow(target, mode), True
     if callable(getattr(target, "write", None)):
         return target, False
     raise TypeError(f"target must be a path or a text stream, got {type(target).__name__}")

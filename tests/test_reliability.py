@@ -1166,3 +1166,97 @@ def test_a_stage_named_twice_is_measured_once():
     from labkit.app.flags import stage_list
 
     assert [s.index for s in stage_list("3,3,batched_ops,4")] == [3, 4]
+
+
+# ---------------------------------------------------------------- no write through a link
+
+def _run_names() -> tuple[str, ...]:
+    """Every name a training run writes in its folder, from the code's own constants."""
+    from labkit.app.run import RUN_FILES, SUMMARY
+    return (*RUN_FILES, SUMMARY, FolderLock.NAME)
+
+
+def test_a_run_writes_only_the_names_the_door_checks(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *TINY, "--out", "run"]) == 0
+    assert {p.name for p in Path("run").rglob("*")} <= set(_run_names())
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["new", "resume"])
+@pytest.mark.parametrize("dangling", [False, True], ids=["to_a_victim", "dangling"])
+def test_no_file_is_written_through_a_link_in_the_run_folder(tmp_path, monkeypatch, capsys,
+                                                             resume, dangling):
+    """A link at any name a run writes (dangling, or to a file the user can write) is refused
+    at the door with one line, exit 2: the victim keeps its bytes and nothing is created where
+    a dangling link points. A new run and a resume alike."""
+    monkeypatch.chdir(tmp_path)
+    if resume:
+        assert main(["train", *TINY, "--out", "base"]) == 0
+    for name in _run_names():
+        run = Path(f"run-{name.strip('.')}")
+        if resume:
+            shutil.copytree("base", run)
+            (run / name).unlink(missing_ok=True)
+        else:
+            run.mkdir()
+        victim = tmp_path / f"victim-{name.strip('.')}"
+        if not dangling:
+            victim.write_text("keep me")
+        (run / name).symlink_to(victim)
+        argv = ["train", "--resume", str(run), "--no-progress"] if resume else \
+            ["train", *TINY, "--out", str(run)]
+        code, _, err = run_cli(argv, capsys)
+        assert code == 2, (name, err)
+        assert f"{run / name} is a symbolic link" in err and err.count("\n") == 1, err
+        assert victim.exists() != dangling, name
+        if not dangling:
+            assert victim.read_text() == "keep me", name
+        assert (run / name).is_symlink()
+
+
+def test_the_lock_and_the_loggers_refuse_a_link_themselves(tmp_path):
+    """Behind the door too (the library's own callers): the lock file and a logger's path are
+    opened without following a link in their last component."""
+    from labkit.files import OutputError, open_no_follow
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (tmp_path / FolderLock.NAME).symlink_to(victim)
+    with pytest.raises(OutputError, match="is a symbolic link"):
+        FolderLock(tmp_path).acquire()
+    (tmp_path / "metrics.jsonl").symlink_to(victim)
+    for mode in ("w", "a"):
+        with pytest.raises(OutputError, match="is a symbolic link"):
+            open_no_follow(tmp_path / "metrics.jsonl", mode)
+        with pytest.raises(OutputError, match="is a symbolic link"):
+            SyncLogger(tmp_path / "metrics.jsonl", mode=mode)
+    assert victim.read_text() == "keep me"
+
+
+def test_a_deleted_or_replaced_lock_is_noticed(tmp_path):
+    lock = FolderLock(tmp_path).acquire()
+    lock.check()  # held and in place
+    (tmp_path / FolderLock.NAME).unlink()
+    from labkit.files import OutputError
+    with pytest.raises(OutputError, match="was deleted while this run held it"):
+        lock.check()
+    (tmp_path / FolderLock.NAME).write_text("another process")
+    with pytest.raises(OutputError, match="was replaced while this run held it"):
+        lock.check()
+    lock.release()
+
+
+def test_a_run_whose_lock_is_deleted_stops_before_its_next_save(tmp_path, monkeypatch, capsys):
+    """A second `--resume` after `.lock` was deleted would lock a new file and train the same
+    run alongside: the run notices at its next checkpoint and stops with one line."""
+    from labkit.app import checkpoint as ckpt
+    monkeypatch.chdir(tmp_path)
+    original = ckpt.save
+
+    def save_then_delete_the_lock(path, payload):
+        original(path, payload)
+        (Path(path).parent / FolderLock.NAME).unlink(missing_ok=True)
+
+    monkeypatch.setattr(ckpt, "save", save_then_delete_the_lock)
+    code, _, err = run_cli(["train", *TINY, "--out", "run"], capsys)
+    assert code == 2 and "was deleted while this run held it" in err, err
+    assert err.count("\n") == 1, err

@@ -33,6 +33,7 @@ from ..files import (
     check_output_dir,
     describe_os_error,
     is_dir,
+    no_links,
     unique_folder,
     write_json,
     write_jsonl,
@@ -435,8 +436,10 @@ def _check_same_run(saved_cfg: TrainConfig, ckpt_path: Path, cfg_path: Path) -> 
 
 
 def _check_run_files(out: Path) -> None:
-    """Each name the run writes is a file or free: a folder (or a device) in its place is
-    refused at the door, naming it, before the lock is taken or anything is read."""
+    """Each name the run writes is a file or free: a symbolic link (dangling or not), a
+    folder or a device in its place is refused at the door, naming it, before the lock is
+    taken or anything is read."""
+    no_links(out, (*RUN_FILES, SUMMARY, FolderLock.NAME))
     for name in (*RUN_FILES, SUMMARY, FolderLock.NAME):
         path = out / name
         if path.exists() and not path.is_file():

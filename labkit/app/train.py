@@ -27,7 +27,7 @@ import torch
 
 from .. import debug
 from ..distributed import SINGLE, Group, current, join, leave, parameter_checksum
-from ..files import describe_os_error
+from ..files import FolderLock, describe_os_error
 from ..logging import AsyncLogger, SyncLogger, TensorBoardSink, quiet_thread_os_errors
 from ..signals import raise_if_stopped, signals_deferred, signum_of, stop_signals
 from ..stages import Pipeline, PipelineState
@@ -198,6 +198,7 @@ class _Session:
         self.saved_iteration = saved["state"]["iteration"] if saved is not None else None
         self.metrics_log: SyncLogger | None = None
         self.board: AsyncLogger | None = None
+        self.lock: FolderLock | None = None  # the run folder's, checked before each save
         self.first_iter_s: float | None = None
         self.t_start = self.session_s = 0.0
 
@@ -257,6 +258,8 @@ class _Session:
         """Every rank takes part (its envs are in the checkpoint); rank 0 writes."""
         parts = self.group.gather(_rank_part(self.state))
         if self.main:
+            if self.lock is not None:
+                self.lock.check()
             payload = {"config": self.cfg.to_dict(), "device": str(self.device),
                        "threads": torch.get_num_threads(),
                        "wall_s": self.state_wall, "state": self.state.to_dict()}
@@ -364,6 +367,7 @@ def _run(run: Run, progress: bool, stop_after: int | None,
             _load(pipe, run.saved, group, run.checkpoint_path)
         run.keep_metrics()
         session = _Session(cfg, run.out, run.device, group, pipe, run.saved, run.kept, start)
+        session.lock = run.lock
         session.open_logs(resources, run.out, tensorboard)
         steps = session.steps_per_iteration
         bar = resources.enter_context(tqdm(
