@@ -76,6 +76,19 @@ def dumps(obj: Any, **kwargs) -> str:
     return json.dumps(_plain(obj), allow_nan=False, **kwargs)
 
 
+def save_figure(figure: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
+    """A matplotlib figure saved atomically, in the format its suffix names: rendered in
+    memory, then written through :func:`atomic_write`, so a link at ``path`` is replaced, not
+    followed, and a kill never leaves half an image."""
+    import io
+
+    buf = io.BytesIO()
+    figure.savefig(buf, dpi=dpi, format=Path(path).suffix[1:].lower() or None)
+    with atomic_write(path, "wb") as f:
+        f.write(buf.getvalue())
+    return Path(path)
+
+
 def write_json(path: str | os.PathLike, data: Any) -> Path:
     """Write ``data`` as indented JSON, atomically."""
     with atomic_write(path) as f:

@@ -1260,3 +1260,23 @@ def test_a_run_whose_lock_is_deleted_stops_before_its_next_save(tmp_path, monkey
     code, _, err = run_cli(["train", *TINY, "--out", "run"], capsys)
     assert code == 2 and "was deleted while this run held it" in err, err
     assert err.count("\n") == 1, err
+
+
+def test_figures_and_results_replace_a_link_instead_of_writing_through_it(tmp_path):
+    """In a results folder every file is written atomically: a link at a figure's or a JSON
+    file's name is replaced by the file, and what it pointed to is untouched."""
+    from labkit.book.plots import save_figures
+    recorded = json.loads((ROOT / "results" / "ladder_cpu_quick.json").read_text())
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    out = tmp_path / "results"
+    out.mkdir()
+    for suffix in ("ladder", "scaling", "phases", "learning"):
+        (out / f"x_{suffix}.png").symlink_to(victim)
+    (out / "x.json").symlink_to(tmp_path / "dangling")
+    written = save_figures(recorded, out, "x")
+    write_json(out / "x.json", {"a": 1})
+    assert len(written) == 4 and victim.read_text() == "keep me"
+    assert not (tmp_path / "dangling").exists()
+    for path in [*written, out / "x.json"]:
+        assert not path.is_symlink() and path.stat().st_size > 0

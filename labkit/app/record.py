@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..device import git_commit, run_metadata
-from ..files import atomic_write, write_json
+from ..files import atomic_write, save_figure, write_json
 from .plan import LEARNING, Part, plan, select
 from .report import write_report
 from .results import (
@@ -276,7 +276,7 @@ class _Session:
                                 fontsize=10)
         axes[0].figure.tight_layout()
         png = self.out / f"learning_{self.device.type}_{self.profile}.png"
-        axes[0].figure.savefig(png, dpi=110)
+        save_figure(axes[0].figure, png, dpi=110)
         plt.close(axes[0].figure)
         return png
 

@@ -6,6 +6,8 @@ import math
 import textwrap
 from pathlib import Path
 
+from ..files import save_figure
+
 
 def _plt():
     import matplotlib.pyplot as plt  # headless: matplotlib falls back to Agg by itself
@@ -160,14 +162,14 @@ def save_figures(result: dict, out_dir: str | Path, stem: str) -> list[Path]:
             continue
         ax = draw(result)
         paths.append(out_dir / f"{stem}_{suffix}.png")
-        ax.figure.savefig(paths[-1], dpi=120)
+        save_figure(ax.figure, paths[-1])
         plt.close(ax.figure)
     curves = {f"{r['stage']} {r['name']}": r["curve"] for r in result.get("ladder", [])
               if r.get("status") == "ok"}
     if curves:
         axes = learning_curves(curves)
         paths.append(out_dir / f"{stem}_learning.png")
-        axes[0].figure.savefig(paths[-1], dpi=120)
+        save_figure(axes[0].figure, paths[-1])
         plt.close(axes[0].figure)
     return paths
 
@@ -246,6 +248,6 @@ def plot_runs(runs: list[str | Path], out: str | Path, oracle: float | None = No
                          f"in one of {', '.join('.' + f for f in sorted(formats))}")
     axes = learning_curves({Path(d).name: run_curve(d) for d in runs}, oracle=oracle)
     with signals_deferred():  # an image half written is worse than none
-        axes[0].figure.savefig(out, dpi=120)
+        save_figure(axes[0].figure, out)
     plt.close(axes[0].figure)
     return out

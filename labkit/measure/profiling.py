@@ -220,6 +220,8 @@ def trace_pipeline(pipeline, out_dir: str | os.PathLike, iterations: int = 1,
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name or pipeline.stage.name}_{device.type}.pt.trace.json"
     raw = path.with_name(f".{path.name}")  # torch's export, read back and written as `path`
+    for leftover in (raw, Path(f"{raw}.tmp")):  # ours: never written through a planted link
+        leftover.unlink(missing_ok=True)
     try:
         prof.export_chrome_trace(str(raw))
         _add_phase_ranges(raw, path, anchor_ns, marks)
