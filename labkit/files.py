@@ -40,9 +40,13 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(err, OSError) and err.filename is None:  # a write: name the file
+            kept = "is kept as it was" if path.exists() else "was not written"
+            raise OSError(err.errno, f"{err.strerror or err}; {path} {kept}",
+                          str(path)) from None
         raise
     _fsync_dir(path.parent)  # make the rename itself durable
 
@@ -171,8 +175,9 @@ def open_no_follow(path: str | os.PathLike, mode: str) -> IO[str]:
 
 def describe_os_error(err: OSError) -> str:
     """One line for an OSError: what failed, on which path."""
-    where = f" {err.filename}" if err.filename else ""
-    return f"{err.strerror or str(err) or type(err).__name__}{where}"
+    said = err.strerror or str(err) or type(err).__name__
+    where = f" {err.filename}" if err.filename and str(err.filename) not in said else ""
+    return f"{said}{where}"
 
 
 class FolderLock:

@@ -1280,3 +1280,53 @@ def test_figures_and_results_replace_a_link_instead_of_writing_through_it(tmp_pa
     assert not (tmp_path / "dangling").exists()
     for path in [*written, out / "x.json"]:
         assert not path.is_symlink() and path.stat().st_size > 0
+
+
+def test_a_summary_no_run_wrote_is_kept_and_a_torn_one_is_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    Path("foreign").mkdir()
+    Path("foreign/summary.json").write_text('{"mine": 1}')
+    code, _, err = run_cli(["train", *TINY, "--out", "foreign"], capsys)
+    assert code == 2 and "holds a summary.json that no run there wrote" in err, err
+    assert Path("foreign/summary.json").read_text() == '{"mine": 1}'
+    assert main(["train", *TINY, "--out", "run"]) == 0
+    for torn in ('{"final_return": 1', "[1, 2]", "\xff\xfe"):
+        Path("run/summary.json").write_text(torn, encoding="latin-1")
+        code, _, err = run_cli(["train", "--resume", "run", "--no-progress"], capsys)
+        assert code == 2 and "run/summary.json is not the summary a run writes" in err, err
+        assert err.count("\n") == 1, err
+
+
+_FSIZE_SCRIPT = """
+import resource, signal, sys
+from pathlib import Path
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from labkit.files import describe_os_error, save_figure, write_json
+out = Path(sys.argv[1])
+for name, write in (("big.json", lambda p: write_json(p, {"x": "y" * 100_000})),
+                    ("fig.png", lambda p: save_figure(plt.figure(figsize=(20, 20)), p, dpi=200))):
+    try:
+        write(out / name)
+    except OSError as err:
+        print(describe_os_error(err))
+"""
+
+
+def test_a_write_past_a_file_size_limit_keeps_the_previous_file_and_names_it(tmp_path):
+    """A real RLIMIT_FSIZE (what a quota or a full disk does to a write): the JSON and the
+    figure that were there stay whole, and the error names the file and says so."""
+    (tmp_path / "big.json").write_text('{"old": true}\n')
+    (tmp_path / "fig.png").write_bytes(b"old image")
+    done = subprocess.run([sys.executable, "-c", _FSIZE_SCRIPT, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, (done.stdout, done.stderr)
+    for line, name in zip(lines, ("big.json", "fig.png")):
+        assert "File too large" in line and f"{tmp_path / name} is kept as it was" in line
+    assert (tmp_path / "big.json").read_text() == '{"old": true}\n'
+    assert (tmp_path / "fig.png").read_bytes() == b"old image"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]

@@ -281,6 +281,10 @@ def _judged(cfg: TrainConfig | None, out: Path | NewFolder, resume: bool,
             if any((out / name).exists() for name in RUN_FILES):
                 raise ValueError(f"out folder {out} already holds a run; resume it (--resume "
                                  f"{out}) or choose another folder")
+            if (out / SUMMARY).exists():  # no run's files: someone else's summary.json
+                raise ValueError(f"out folder {out} holds a {SUMMARY} that no run there wrote; "
+                                 "a new run would overwrite it: move it or choose another "
+                                 "folder")
             write_json(out / CONFIG, cfg.to_dict())  # a run that dies now can be resumed
             return Run(cfg, out, device, group, lock=lock)
         saved_cfg, saved = _saved_run(cfg, out)
@@ -343,7 +347,13 @@ def _go_on_from(run: Run) -> None:
         torch.set_num_threads(saved["threads"])
     run.start = saved["state"]["iteration"]
     if run.start == run.cfg.n_iterations and (run.out / SUMMARY).exists():
-        run.finished = json.loads((run.out / SUMMARY).read_text(encoding="utf-8"))
+        try:
+            run.finished = json.loads((run.out / SUMMARY).read_text(encoding="utf-8"))
+            if not isinstance(run.finished, dict):
+                raise ValueError(f"a JSON {type(run.finished).__name__}, not an object")
+        except (UnicodeDecodeError, ValueError) as err:  # JSONDecodeError is a ValueError
+            raise ValueError(f"{run.out / SUMMARY} is not the summary a run writes ({err}); "
+                             "delete it and --resume writes it again") from None
         return
     run.kept = _read_metrics(run.out / METRICS, run.start) if run.group.is_main else []
 
