@@ -45,6 +45,16 @@ import torch
 from .device import capturing
 
 _TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def check_environment() -> None:
+    """``$LABKIT_DEBUG`` is a yes or a no (read once, at import; an unknown value is off):
+    a ValueError naming it and the allowed values otherwise, for the CLI to say."""
+    value = os.environ.get("LABKIT_DEBUG", "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"LABKIT_DEBUG={value[:40]!r} must be one of "
+                         f"{', '.join(v for v in _TRUE + _FALSE if v)} (or unset)")
 
 
 class _State:

@@ -85,11 +85,21 @@ def synchronize(device: torch.device) -> None:
 COMMIT_ENV = "LABKIT_GIT_COMMIT"
 
 
+def commit_from_env() -> str:
+    """``$LABKIT_GIT_COMMIT``, checked ("" where unset): 7 to 40 hex digits, optionally
+    followed by ``-dirty``; it goes into every results file, so nothing else is taken."""
+    given = os.environ.get(COMMIT_ENV, "").strip()
+    if given and not re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", given):
+        raise ValueError(f"{COMMIT_ENV}={given[:50]!r} must be a commit: 7 to 40 hex digits "
+                         "(git rev-parse HEAD), optionally followed by -dirty")
+    return given
+
+
 def git_commit() -> str:
     """The labkit checkout's commit (short hash); else ``$LABKIT_GIT_COMMIT`` (a full hash is
     shortened); else "unknown". The variable wins where both exist: whoever sets it says which
     commit the tree is."""
-    given = os.environ.get(COMMIT_ENV, "").strip()
+    given = commit_from_env()
     if given:
         return given[:7] if re.fullmatch(r"[0-9a-f]{40}", given) else given
     try:

@@ -104,17 +104,44 @@ class Group:
 SINGLE = Group()
 
 
+def _env_int(name: str, default: int | None, low: int, high: int | None = None,
+             why: str = "") -> int:
+    """The integer environment variable ``name``, checked: a ValueError naming it, its value
+    and the allowed range (``why`` says where the bound comes from) otherwise."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        if default is None:
+            raise ValueError(f"{name} is not set, but WORLD_SIZE={os.environ.get('WORLD_SIZE')} "
+                             "says this is one of several processes: start them with torchrun, "
+                             "which sets RANK, LOCAL_RANK and WORLD_SIZE together")
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text[:40]!r} must be an integer") from None
+    if value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ValueError(f"{name}={value} must be {allowed}{why}")
+    return value
+
+
 def world_size() -> int:
     """The number of processes torchrun started (1 without torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return _env_int("WORLD_SIZE", 1, 1)
 
 
 def current() -> Group:
-    """This process's place, from torchrun's environment variables (no communication)."""
-    if world_size() == 1:
+    """This process's place, from torchrun's environment variables (no communication), each
+    checked: a rank outside the world would wait for the others forever."""
+    world = world_size()
+    if world == 1:
         return SINGLE
-    return Group(rank=int(os.environ["RANK"]), world=world_size(),
-                 local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    rank = _env_int("RANK", None, 0, world - 1, f" (WORLD_SIZE={world})")
+    local_world = _env_int("LOCAL_WORLD_SIZE", world, 1, world, f" (WORLD_SIZE={world})")
+    local_rank = _env_int("LOCAL_RANK", 0, 0, local_world - 1,
+                          f" (LOCAL_WORLD_SIZE={local_world})")
+    _env_int("MASTER_PORT", 0, 0, 65535)
+    return Group(rank=rank, world=world, local_rank=local_rank)
 
 
 def join(device_type: str = "cpu") -> Group:

@@ -1330,3 +1330,38 @@ def test_a_write_past_a_file_size_limit_keeps_the_previous_file_and_names_it(tmp
     assert (tmp_path / "big.json").read_text() == '{"old": true}\n'
     assert (tmp_path / "fig.png").read_bytes() == b"old image"
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"WORLD_SIZE": "2"}, "RANK is not set, but WORLD_SIZE=2"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' must be an integer"),
+    ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5 must be in 0..1 (WORLD_SIZE=2)"),
+    ({"WORLD_SIZE": "2", "RANK": "-1"}, "RANK=-1 must be in 0..1"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "abc"}, "LOCAL_RANK='abc' must be an integer"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+     "LOCAL_RANK=2 must be in 0..1 (LOCAL_WORLD_SIZE=2)"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "99999"}, "MASTER_PORT=99999 must be in"),
+    ({"LABKIT_DEBUG": "maybe"}, "LABKIT_DEBUG='maybe' must be one of"),
+    ({"LABKIT_GIT_COMMIT": "<script>"}, "LABKIT_GIT_COMMIT='<script>' must be a commit"),
+    ({"LABKIT_GIT_COMMIT": "abc"}, "must be a commit: 7 to 40 hex digits"),
+])
+def test_the_environment_is_checked_like_the_flags(tmp_path, monkeypatch, capsys, env, needle):
+    """torchrun's and labkit's variables, each named in one line, exit 2, before any
+    rendezvous or any file: a rank outside the world never waits forever."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, _, err = run_cli(["train", *TINY, "--out", "run"], capsys)
+    assert code == 2 and needle in err and err.count("\n") == 1, err
+    assert not Path("run").exists()
+
+
+def test_a_commit_shaped_variable_is_taken(monkeypatch):
+    from labkit.device import git_commit
+    for given, said in (("0229760", "0229760"), ("b49405fa53aefa4c8c2463a35a65bbce4c02b0cf",
+                                                 "b49405f"), ("0229760-dirty", "0229760-dirty")):
+        monkeypatch.setenv("LABKIT_GIT_COMMIT", given)
+        assert git_commit() == said

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .flags import (
+    check_environment,
     choices,
     default_stage_note,
     device_flag,
@@ -432,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     from ..signals import signum_of, stop_signals
     from .run import TrainingFailed
 
-    command, speak = "labkit", current().is_main  # under torchrun rank 0 alone says it
+    command = "labkit"
+    try:
+        speak = current().is_main  # under torchrun rank 0 alone says it
+    except ValueError:  # torchrun's variables are wrong: said below, by every process
+        speak = True
 
     def say(line: str) -> None:
         if speak:
@@ -443,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             _escape_unprintable()
             args = build_parser().parse_args(argv)
             command = args.command
+            check_environment()
             return args.func(args)
     except BrokenPipeError:  # the reader went away (labkit ... | head): nothing to say
         _silence_stdout()

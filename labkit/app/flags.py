@@ -113,3 +113,15 @@ def stage_flags(p: argparse.ArgumentParser, default: str, what: str, n_envs: int
     p.add_argument("--n-envs", type=positive_int, default=n_envs, help="N (default: %(default)s)")
     p.add_argument("--n-steps", type=positive_int, default=n_steps,
                    help="T (default: %(default)s)")
+
+
+def check_environment() -> None:
+    """The environment variables labkit reads, each checked before a command starts (and so
+    before any rendezvous): torchrun's, LABKIT_DEBUG and LABKIT_GIT_COMMIT."""
+    from ..debug import check_environment
+    from ..device import commit_from_env
+    from ..distributed import current
+
+    current()
+    check_environment()
+    commit_from_env()
