@@ -1365,3 +1365,41 @@ def test_a_commit_shaped_variable_is_taken(monkeypatch):
                                                  "b49405f"), ("0229760-dirty", "0229760-dirty")):
         monkeypatch.setenv("LABKIT_GIT_COMMIT", given)
         assert git_commit() == said
+
+
+class _Payload:
+    """A pickle that, if ever unpickled, creates the file named in ``marker``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def _hostile_bodies(marker: str) -> dict[str, bytes]:
+    import pickle
+    zipped, legacy = io.BytesIO(), io.BytesIO()
+    torch.save({"format": 3, "x": _Payload(marker)}, zipped)
+    torch.save({"format": 3, "x": _Payload(marker)}, legacy,
+               _use_new_zipfile_serialization=False)
+    return {"zip": zipped.getvalue(), "legacy": legacy.getvalue(),
+            "raw": pickle.dumps({"format": 3, "x": _Payload(marker)})}
+
+
+@pytest.mark.parametrize("kind", ["zip", "legacy", "raw"])
+def test_a_hostile_checkpoint_with_a_valid_header_is_refused_in_one_line(tmp_path, monkeypatch,
+                                                                          capsys, kind):
+    """A pickle behind labkit's own header and a correct checksum never runs its payload, and
+    a body that is not torch.save's zip archive is refused before torch reads (and warns
+    about) it: one line, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *TINY, "--out", "run"]) == 0
+    marker = tmp_path / "payload-ran"
+    body = _hostile_bodies(str(marker))[kind]
+    Path("run/checkpoint.pt").write_bytes(checkpoint.MAGIC + hashlib.sha256(body).digest() + body)
+    code, _, err = run_cli(["train", "--resume", "run", "--no-progress"], capsys)
+    assert code == 2 and "run/checkpoint.pt" in err and err.count("\n") == 1, err
+    assert not marker.exists()
+    if kind != "zip":
+        assert "not the zip archive torch.save writes" in err, err

@@ -39,3 +39,23 @@ def test_profiler_tables_count_ops(cpu):
     assert counts["aten::convolution_backward"] == 2 * 16 * 2
     table = top_ops(prof, cpu, n=5, per=2).splitlines()
     assert table[0].split()[:2] == ["op", "calls"] and len(table) == 6
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda p, s: p.ladder_bars({}), "ladder_bars"),
+    (lambda p, s: p.ladder_bars({"ladder": [], "meta": {}}), "ladder_bars"),
+    (lambda p, s: p.ladder_bars([]), "ladder_bars"),
+    (lambda p, s: p.ladder_bars({"ladder": [{"foo": 1}]}), "ladder_bars"),
+    (lambda p, s: p.scaling_lines({}), "scaling_lines"),
+    (lambda p, s: p.scaling_lines({"scaling": [], "meta": {}}), "scaling_lines"),
+    (lambda p, s: p.scaling_lines({"scaling": [{"foo": 1}]}), "scaling_lines"),
+    (lambda p, s: p.learning_curves({"a": [{}]}), "learning_curves"),
+    (lambda p, s: s.rows_table([{}]), "rows_table"),
+    (lambda p, s: s.stage_table([]), "stage_table"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_helpers_name_what_is_missing_in_empty_or_foreign_input(call, name):
+    import matplotlib
+    matplotlib.use("Agg")
+    from labkit.book import plots, show
+    with pytest.raises(ValueError, match=rf"^{name} takes "):
+        call(plots, show)

@@ -68,6 +68,9 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
     body = data[head:]
     if hashlib.sha256(body).digest() != data[len(MAGIC):head]:
         raise CheckpointError(f"{path} is corrupt: its checksum does not match its contents")
+    if not body.startswith(b"PK\x03\x04"):  # refused before torch reads (and warns about) it
+        raise CheckpointError(f"{path} is not a labkit checkpoint of format {FORMAT}: its body "
+                              "is not the zip archive torch.save writes (a raw pickle, say)")
     try:
         payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
     except Exception as err:

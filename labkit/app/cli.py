@@ -8,6 +8,7 @@ is, and exit 1. Ctrl-C, SIGTERM and SIGHUP keep what finished and exit 128 + the
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -109,8 +110,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _one_line(text: object) -> str:
-    """A message on one line (torch's errors span several)."""
-    return " ".join(str(text).split())
+    """A message on one line (torch's errors span several), an echoed value of 200 characters
+    or more cut to its start and its length (a 100,000-character flag, say)."""
+    return re.sub(r"\S{200,}", lambda m: f"{m.group()[:60]}... ({len(m.group()):,} characters)",
+                  " ".join(str(text).split()))
 
 
 def _num(value: float | None, spec: str) -> str:
@@ -207,7 +210,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line ``error: ...`` (exit 2), like every other."""
 
     def error(self, message: str):
-        self.exit(2, f"error: {self.prog.removeprefix('python -m labkit ')}: {message}\n")
+        self.exit(2, f"error: {self.prog.removeprefix('python -m labkit ')}: "
+                     f"{_one_line(message)}\n")
 
 
 def _add_bench_env(sub) -> None:

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 from ..files import save_figure
+from . import expects
 
 
 def _plt():
@@ -29,6 +30,8 @@ def _range(rows: list[dict]) -> list[list[float]]:
     return [lows, highs]
 
 
+@expects("a ladder result (what `python -m labkit ladder` writes): 'meta' and at least one "
+         "row in 'ladder'")
 def ladder_bars(result: dict, ax=None):
     """Env steps/s per stage on a log axis, each bar with the min-max range of its timed
     iterations (orange: marked noisy); skipped stages are labelled, not drawn."""
@@ -59,6 +62,7 @@ def ladder_bars(result: dict, ax=None):
     return ax
 
 
+@expects("a ladder result with a scaling sweep: 'meta' and rows in 'scaling'")
 def scaling_lines(result: dict, ax=None):
     """Env steps/s against N for each stage of the scaling sweep (log-log), with each point's
     min-max range; a ring marks a noisy point."""
@@ -87,6 +91,8 @@ def scaling_lines(result: dict, ax=None):
     return ax
 
 
+@expects("{name: curve}, each curve a list of points with 'steps', 'wall_s' and "
+         "'mean_return'")
 def learning_curves(curves: dict[str, list[dict]], axes=None, oracle: float | None = None,
                     random: float | None = None):
     """Mean episode return against env steps and against wall time, one line per run, with
@@ -174,6 +180,7 @@ def save_figures(result: dict, out_dir: str | Path, stem: str) -> list[Path]:
     return paths
 
 
+@expects("rows of measure_stage (each with 'stage', 'name' and 'phase_ms')")
 def phase_bars(rows: list[dict], ax=None, title: str | None = None):
     """Stacked bars: milliseconds per iteration in each phase, one bar per measured row."""
     from ..timing import PHASES

@@ -13,6 +13,7 @@ from typing import Any
 from ..measure.syncmeter import parse_site, source_line
 from ..measure.tables import MISSING
 from ..stages import Stage
+from . import expects
 
 _CELL = re.compile(r"ipykernel_\d+[/\\]\d+\.py$|<ipython-input-")
 
@@ -62,6 +63,7 @@ def describe(part: Any) -> str:
     return repr(part)
 
 
+@expects("a non-empty list of stages (labkit.stages.STAGES, or some of them)")
 def stage_table(stages: list[Stage]) -> str:
     """One line per stage, one column per slot: the ladder as a table of components."""
     slots = list(stages[0].components())
@@ -115,6 +117,7 @@ def figure(row: dict, key: str, spec: str = "g") -> str:
     return MISSING if value is None else format(value, spec)
 
 
+@expects("rows of labkit.measure.bench.measure_stage")
 def rows_table(rows: list[dict]) -> str:
     """Rows of ``labkit.measure.bench.measure_stage`` one per line: env steps/s as min / median /
     max over the timed iterations, the share of the compute ceiling, device reads (a sync on a
