@@ -10,6 +10,7 @@ import inspect
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .envs.spec import ForageSpec, check_n_envs, check_seed
@@ -160,33 +161,109 @@ def memory_estimate(run: RunConfig) -> int:
     return int(run.batch_size * per_sample + run.n_envs * per_env)
 
 
-def available_memory(device) -> int | None:
-    """Free bytes on ``device`` (CUDA: ``mem_get_info``; CPU: MemAvailable), None if unknown."""
-    import torch
+#: cgroup v1 writes a huge number for "no limit" (the largest page-aligned int64).
+_V1_UNLIMITED = 2**62
 
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def cgroup_headroom(root: str | os.PathLike = "/sys/fs/cgroup",
+                    proc_cgroup: str | os.PathLike = "/proc/self/cgroup") -> int | None:
+    """Bytes this process's memory cgroup lets it allocate still: the smallest of
+    ``memory.max - memory.current`` over its cgroup and every parent (v2), or
+    ``memory.limit_in_bytes - memory.usage_in_bytes`` (v1); None without a limit."""
+    try:
+        lines = Path(proc_cgroup).read_text(encoding="ascii").splitlines()
+    except OSError:
+        return None
+    root, room = Path(root), []
+    for line in lines:
+        _, controllers, rel = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2: the unified hierarchy, limits of every ancestor apply
+            folder = root / rel.lstrip("/")
+            while True:
+                limit, used = _read_int(folder / "memory.max"), _read_int(folder / "memory.current")
+                if limit is not None and used is not None:
+                    room.append(limit - used)
+                if folder == root or root not in folder.parents:
+                    break
+                folder = folder.parent
+        elif "memory" in controllers.split(","):  # v1
+            folder = root / "memory" / rel.lstrip("/")
+            limit = _read_int(folder / "memory.limit_in_bytes")
+            used = _read_int(folder / "memory.usage_in_bytes")
+            if limit is not None and used is not None and limit < _V1_UNLIMITED:
+                room.append(limit - used)
+    return max(min(room), 0) if room else None
+
+
+def address_space_headroom() -> int | None:
+    """Bytes of address space this process may still map under ``RLIMIT_AS`` (``ulimit -v``):
+    the limit less its current size (importing torch alone maps gigabytes); None without one."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(soft - size, 0)
+
+
+def host_memory() -> tuple[int | None, str]:
+    """(bytes, what limits them) this process can still allocate on the host: the smallest of
+    free RAM (MemAvailable), the room under its address-space limit and under its memory
+    cgroup's limit (a container's); (None, "") if none is known."""
+    found = []
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    found.append((int(line.split()[1]) * 1024, "free"))
     except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
+        try:
+            found.append((os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free"))
+        except (AttributeError, OSError, ValueError):
+            pass
+    for room, what in ((address_space_headroom(), "left under the address-space limit "
+                                                  "(RLIMIT_AS, ulimit -v)"),
+                       (cgroup_headroom(), "left under the memory cgroup's limit "
+                                           "(memory.max)")):
+        if room is not None:
+            found.append((room, what))
+    return min(found) if found else (None, "")
+
+
+def available_memory(device) -> int | None:
+    """Free bytes on ``device`` (CUDA: ``mem_get_info``; CPU: :func:`host_memory`, the
+    smallest of free RAM and the process's limits), None if unknown."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return host_memory()[0]
 
 
 def memory_shortfall(run: RunConfig, device) -> str | None:
     """Why ``run`` cannot fit in ``device``'s free memory (None if it can or if free memory is
     unknown), judged before anything is allocated."""
-    need, free = memory_estimate(run), available_memory(device)
+    need = memory_estimate(run)
+    free, what = (available_memory(device), "free") if device.type == "cuda" else host_memory()
     if free is None or need <= free:
         return None
     return (f"n_envs={run.n_envs} x n_steps={run.n_steps} needs about {need / 2**30:.1f} GiB "
-            f"on {device}, and {free / 2**30:.1f} GiB is free; use fewer envs or a shorter "
+            f"on {device}, and {free / 2**30:.1f} GiB is {what}; use fewer envs or a shorter "
             "rollout")
 
 
