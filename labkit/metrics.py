@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from .validate import check_state_keys, check_state_tensor
+
 
 def _summarize(count: float, sum_return: float, sum_sq_return: float, sum_length: float,
                min_return: float, max_return: float) -> dict[str, float]:
@@ -56,7 +58,18 @@ class EagerEpisodeStats:
         return {"returns": list(self.returns), "lengths": list(self.lengths)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.returns, self.lengths = list(state["returns"]), list(state["lengths"])
+        check_state_keys("metrics state", state, ("returns", "lengths"))
+        returns, lengths = state["returns"], state["lengths"]
+        if not isinstance(returns, (list, tuple)) or not isinstance(lengths, (list, tuple)) \
+                or len(returns) != len(lengths):
+            raise ValueError("metrics state['returns'] and ['lengths'] must be lists of one "
+                             "length")
+        if not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)
+                   for r in returns):
+            raise ValueError("metrics state['returns'] must be finite numbers")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths):
+            raise ValueError("metrics state['lengths'] must be episode lengths (ints >= 1)")
+        self.returns, self.lengths = list(returns), list(lengths)
 
     def all_reduce_(self) -> None:
         """Every rank's episodes, in rank order (torch.distributed; lists, so objects)."""
@@ -111,6 +124,12 @@ class DeviceEpisodeStats:
         return {"sums": self._sums.clone(), "min": self._min.clone(), "max": self._max.clone()}
 
     def load_state_dict(self, state: dict) -> None:
+        check_state_keys("metrics state", state, ("sums", "min", "max"))
+        check_state_tensor("metrics state['sums']", state["sums"], self._sums)
+        for key, like in (("min", self._min), ("max", self._max)):  # inf: no episode yet
+            check_state_tensor(f"metrics state[{key!r}]", state[key], like, finite=False)
+            if bool(state[key].detach().cpu().isnan().any()):
+                raise ValueError(f"metrics state[{key!r}] must not hold NaN")
         # In place: a captured rollout step holds these accumulators.
         self._sums.copy_(state["sums"])
         self._min.copy_(state["min"])

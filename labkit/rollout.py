@@ -25,6 +25,7 @@ import torch
 from . import debug
 from .envs import ForageNumpy, ForagePyList, ForageTorch, ForageTorchLoop
 from .timing import PhaseClock
+from .validate import check_state_keys, check_state_tensor
 
 
 @dataclass
@@ -107,6 +108,9 @@ class Collector:
         return {"env": self.env.state_dict(), "done": self.done.clone(), "t": self.t.clone()}
 
     def load_state_dict(self, state: dict) -> None:
+        check_state_keys("collector state", state, ("env", "done", "t"))
+        check_state_tensor("collector state['done']", state["done"], self.done, 0, 1)
+        check_state_tensor("collector state['t']", state["t"], self.t, 0, self.n_steps - 1)
         self.env.load_state_dict(state["env"])
         self.done.copy_(state["done"])
         self.t.copy_(state["t"])

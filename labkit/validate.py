@@ -30,3 +30,29 @@ def check_type(name: str, value: object, cls: type) -> None:
     """Raise naming ``name`` unless ``value`` is a ``cls``."""
     if not isinstance(value, cls):
         raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+
+
+def check_state_tensor(name: str, value: object, like: object, low: float | None = None,
+                       high: float | None = None, finite: bool = True) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is a tensor of ``like``'s shape and
+    dtype, finite where floating point (``finite``), with every element in ``[low, high]``
+    where given: what a ``load_state_dict`` takes, checked on the host, once, at load."""
+    import torch
+
+    if not isinstance(value, torch.Tensor) or value.shape != like.shape \
+            or value.dtype != like.dtype:
+        raise ValueError(f"{name} must be a {like.dtype} tensor of shape {tuple(like.shape)}")
+    host = value.detach().cpu()
+    if finite and host.is_floating_point() and not bool(torch.isfinite(host).all()):
+        raise ValueError(f"{name} must be finite (it holds NaN or inf)")
+    if (low is not None and bool((host < low).any())) \
+            or (high is not None and bool((host > high).any())):
+        raise ValueError(f"{name} must be in [{low}, {high}]")
+
+
+def check_state_keys(name: str, state: object, keys: tuple[str, ...]) -> dict:
+    """``state`` if it is a dict with exactly ``keys``; else a ValueError naming ``name``."""
+    if not isinstance(state, dict) or set(state) != set(keys):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{name} must have keys {sorted(keys)}, got {got}")
+    return state

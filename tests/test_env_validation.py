@@ -130,14 +130,49 @@ def test_load_state_dict() -> None:
         env.load_state_dict({**state, "grid": state["grid"][:2]})
     with pytest.raises(ValueError, match=r"state\['pos'\]"):
         env.load_state_dict({**state, "pos": state["pos"].float()})
-    # Values the rebuilt state could not come from: a step past the episode, the agent on a wall.
-    for bad in ({"t": torch.full_like(state["t"], 128)}, {"t": state["t"] - 1},
-                {"pos": torch.zeros_like(state["pos"])}):
-        with pytest.raises(ValueError, match=r"state\['pos'\] must be interior cells and "
-                                             r"state\['t'\] steps in \[0, 128\)"):
-            env.load_state_dict({**state, **bad})
     env.load_state_dict(state)  # the refusals changed nothing
     assert all(torch.equal(v, state[k]) for k, v in env.state_dict().items())
+
+
+def _hostile(state: dict) -> list[tuple[str, dict]]:
+    """Well-formed states (right keys, shapes and dtypes) no run can reach, each with the key
+    the refusal must name."""
+    nan = torch.full_like(state["episode_return"], float("nan"))
+    grid99 = torch.full_like(state["grid"], 99)
+    under = state["grid"].clone()
+    under.scatter_(1, state["pos"].long().unsqueeze(1), 2)  # food under the agent
+    return [
+        ("t", {"t": torch.full_like(state["t"], 128)}),
+        ("t", {"t": state["t"] - 1}),
+        ("pos", {"pos": torch.zeros_like(state["pos"])}),  # on the border wall
+        ("pos", {"pos": torch.full_like(state["pos"], -3)}),
+        ("pos", {"pos": torch.full_like(state["pos"], 10**6)}),
+        ("episode", {"episode": torch.full_like(state["episode"], -1)}),
+        ("episode_return", {"episode_return": nan}),
+        ("episode_return", {"episode_return": torch.full_like(nan, float("inf"))}),
+        ("episode_return", {"episode_return": state["episode_return"] + 5}),  # t is 0
+        ("grid", {"grid": grid99}),
+        ("grid", {"grid": under}),
+        ("grid", {"grid": torch.zeros_like(state["grid"])}),  # no border, no items
+    ]
+
+
+@pytest.mark.parametrize("cls", [ForageTorch, ForageNumpy], ids=lambda c: c.__name__)
+def test_both_envs_refuse_the_same_unreachable_states(cls) -> None:
+    """A hostile but well-formed state is refused at load, naming the key, by ForageTorch and
+    ForageNumpy alike; a refusal changes nothing."""
+    env = cls(4)
+    state = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+             for k, v in env.state_dict().items()}
+    seeds = [("seed", {"seed": -1}), ("seed", {"seed": 2**70})] if cls is ForageNumpy else \
+        [("seed", {"seed": torch.full_like(state["seed"], -1)})]
+    for key, bad in _hostile(state) + seeds:
+        with pytest.raises(ValueError, match=rf"state\[{key!r}\]|{key}"):
+            env.load_state_dict({**state, **bad})
+    env.load_state_dict(state)
+    after = env.state_dict()
+    assert all(torch.equal(torch.as_tensor(after[k]), torch.as_tensor(v))
+               for k, v in state.items())
 
 
 def test_mean_return_and_bench_arguments() -> None:

@@ -179,6 +179,8 @@ def staggered(spec: ForageSpec, n_envs: int, seed: int) -> dict:
     state["seed"] = torch.tensor(seed)
     state["t"] = torch.tensor([(7 * i) % spec.episode_length for i in range(n_envs)])
     state["episode"] = state["episode"] + torch.arange(n_envs) % 3
+    t = state["t"].to(state["episode_return"].dtype)  # a return a step counter can reach
+    state["episode_return"] = torch.minimum(torch.maximum(state["episode_return"], -t), t)
     return state
 
 

@@ -1440,15 +1440,17 @@ import labkit.app.train, labkit.stages  # what train imports, mapped before the 
 size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (size + 2**28, resource.RLIM_INFINITY))
 assert address_space_headroom() <= 2**28
-sys.exit(main(["train", "--stage", "async_logging", "--device", "cpu", "--n-envs", "4096",
-               "--n-steps", "128", "--total-steps", "524288", "--out", sys.argv[1]]))
+sys.exit(main(sys.argv[2:]))
 """
+_TRAIN_BIG = ["train", "--stage", "async_logging", "--device", "cpu", "--n-envs", "4096",
+              "--n-steps", "128", "--total-steps", "524288", "--out"]
 
 
 def test_a_run_larger_than_the_address_space_limit_is_refused_up_front(tmp_path):
     """A real RLIMIT_AS (ulimit -v) 256 MiB above what the process maps: a run estimated at
     gigabytes is refused in one line naming the limit, exit 2, before anything is allocated."""
-    done = subprocess.run([sys.executable, "-c", _RLIMIT_SCRIPT, str(tmp_path / "run")],
+    done = subprocess.run([sys.executable, "-c", _RLIMIT_SCRIPT, "-", *_TRAIN_BIG,
+                           str(tmp_path / "run")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "left under the address-space limit (RLIMIT_AS" in done.stderr, done.stderr[-2000:]
@@ -1456,15 +1458,49 @@ def test_a_run_larger_than_the_address_space_limit_is_refused_up_front(tmp_path)
 
 
 def test_a_bench_env_size_past_the_address_space_limit_is_refused_up_front(tmp_path):
-    script = _RLIMIT_SCRIPT.replace(
-        'sys.exit(main(["train", "--stage", "async_logging", "--device", "cpu", "--n-envs", "4096",\n'
-        '               "--n-steps", "128", "--total-steps", "524288", "--out", sys.argv[1]]))',
-        'sys.exit(main(["bench-env", "--device", "cpu", "--n-envs", "1048576", "--out", '
-        'sys.argv[1]]))')
-    assert "bench-env" in script
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "out")], cwd=ROOT,
+    argv = ["bench-env", "--device", "cpu", "--n-envs", "1048576", "--out", str(tmp_path / "out")]
+    done = subprocess.run([sys.executable, "-c", _RLIMIT_SCRIPT, "-", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "benchmark's runners need about" in done.stderr, done.stderr[-2000:]
     assert "left under the address-space limit (RLIMIT_AS" in done.stderr, done.stderr[-2000:]
     assert not list((tmp_path / "out").glob("*.json"))
+
+
+def _edits() -> list[tuple[str, object]]:
+    """Hostile but well-formed edits of a checkpoint's state (the header and checksum are
+    rewritten valid), each with what the refusal must name."""
+    def env(key, fn):
+        return lambda p: p["state"]["collector"]["env"].__setitem__(
+            key, fn(p["state"]["collector"]["env"][key]))
+    return [
+        ("state['episode_return']", env("episode_return", lambda v: torch.full_like(v, math.nan))),
+        ("state['episode']", env("episode", lambda v: torch.full_like(v, -1))),
+        ("state['seed']", env("seed", lambda v: torch.full_like(v, -1))),
+        ("state['pos']", env("pos", lambda v: torch.zeros_like(v))),
+        ("state['grid']", env("grid", lambda v: torch.full_like(v, 99))),
+        ("collector state['t']", lambda p: p["state"]["collector"].__setitem__(
+            "t", torch.full_like(p["state"]["collector"]["t"], 999))),
+        ("collector state['done']", lambda p: p["state"]["collector"].__setitem__(
+            "done", torch.full_like(p["state"]["collector"]["done"], math.nan))),
+        ("metrics state['returns']", lambda p: p["state"]["metrics"].__setitem__(
+            "returns", [math.nan])),
+        ("metrics state['lengths']", lambda p: p["state"]["metrics"].update(
+            returns=[1.0], lengths=[0])),
+    ]
+
+
+def test_hostile_but_well_formed_saved_state_is_refused_at_the_door(tmp_path, monkeypatch,
+                                                                    capsys):
+    """Each edit behind a valid header and checksum: `train --resume` refuses it in one line
+    naming the key, exit 2, and the checkpoint is left as it was."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *TINY, "--stop-after", "1", "--out", "base"]) == 0
+    for i, (needle, edit) in enumerate(_edits()):
+        run = Path(f"run{i}")
+        shutil.copytree("base", run)
+        rewrite_checkpoint(run / "checkpoint.pt", edit)
+        before = (run / "checkpoint.pt").read_bytes()
+        code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
+        assert code == 2 and needle in err and err.count("\n") == 1, (needle, err)
+        assert (run / "checkpoint.pt").read_bytes() == before

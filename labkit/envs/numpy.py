@@ -66,6 +66,52 @@ class Layout:
                    deltas, np.array([WALL, FOOD, POISON], dtype=np.int8), tuple(kinds))
 
 
+def check_reachable(state: dict, spec: ForageSpec, layout: Layout) -> None:
+    """Raise ValueError, naming the key, unless ``state`` (tensors of the right shapes, on any
+    device; read on the host, once, at load) is a state ``spec`` can reach: seeds and episode
+    counts in range, step counters in [0, episode_length), the agent on an interior cell with
+    nothing under it, the spec's walls, food and poison inside a wall border, and episode
+    returns finite and within the step counter (each step's reward is -1, 0 or +1). ForageNumpy
+    and ForageTorch refuse the same states."""
+    from .spec import MAX_SEED
+
+    seed, episode = state["seed"], state["episode"].cpu()
+    t, pos, grid = state["t"].cpu(), state["pos"].cpu(), state["grid"].cpu()
+    ret = state["episode_return"].cpu()
+    seed_ok = (not isinstance(seed, bool) and isinstance(seed, int) and 0 <= seed <= MAX_SEED) \
+        if not isinstance(seed, torch.Tensor) else not seed.is_floating_point() \
+        and bool(((seed >= 0) & (seed <= MAX_SEED)).all())
+    if not seed_ok:
+        raise ValueError(f"state['seed'] must be integers in [0, {MAX_SEED}]")
+    for key, value in (("episode", episode), ("t", t), ("pos", pos), ("grid", grid)):
+        if value.is_floating_point() or value.dtype == torch.bool:
+            raise ValueError(f"state[{key!r}] must hold integers, got {value.dtype}")
+    if bool((episode < 0).any()):
+        raise ValueError("state['episode'] must be episode counts >= 0")
+    if bool(((t < 0) | (t >= spec.episode_length)).any()):
+        raise ValueError(f"state['t'] must be steps in [0, {spec.episode_length})")
+    interior = torch.zeros(len(layout.base) + 1, dtype=torch.bool)
+    interior[torch.as_tensor(layout.cells)] = True
+    if bool(((pos < 0) | (pos >= len(layout.base))).any()) or not bool(interior[pos].all()):
+        raise ValueError("state['pos'] must be interior cells of the grid (flat indices)")
+    if not ret.is_floating_point() or not bool(torch.isfinite(ret).all()) \
+            or bool((ret.abs() > t).any()):
+        raise ValueError("state['episode_return'] must be finite and at most state['t'] in "
+                         "size (each step's reward is -1, 0 or +1)")
+    cells = torch.as_tensor(layout.cells)
+    inside, outside = grid[:, cells].long(), grid.clone().long()
+    outside[:, cells] = WALL
+    counts = [(inside == kind).sum(1) for kind in (WALL, FOOD, POISON)]
+    if not bool((outside == WALL).all()) \
+            or not bool(((inside >= EMPTY) & (inside <= POISON)).all()) \
+            or any(bool((c != want).any()) for c, want in zip(counts, (spec.n_walls, spec.n_food,
+                                                                       spec.n_poison))) \
+            or bool((grid.long().gather(1, pos.long().unsqueeze(1)) != EMPTY).any()):
+        raise ValueError(f"state['grid'] must hold this spec's {spec.n_walls} walls, "
+                         f"{spec.n_food} food and {spec.n_poison} poison inside a wall border, "
+                         "and nothing under the agent (a state of another spec?)")
+
+
 def kth_free(free: np.ndarray, k: np.ndarray) -> np.ndarray:
     """Column of the k-th (0-based) True in each row of ``free`` (len(row) where k >= count)."""
     return (free.cumsum(1) <= k[:, None]).sum(1)
@@ -198,6 +244,7 @@ class ForageNumpy:
             mine, value = getattr(self, key), state[key]
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != mine.shape:
                 raise ValueError(f"state[{key!r}] must be a tensor of shape {mine.shape}")
+        check_reachable(state, self.spec, self.layout)
         self.seed = check_seed(state["seed"])
         for key in STATE_ARRAYS:
             setattr(self, key, state[key].numpy().astype(getattr(self, key).dtype))

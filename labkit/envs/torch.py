@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..device import resolve_device
-from .numpy import AGENT, Layout
+from .numpy import AGENT, Layout, check_reachable
 from .rng import GOLDEN, MASK, chain, mix
 from .spec import (
     EMPTY,
@@ -265,7 +265,7 @@ class ForageTorch:
         after checking on the host that it is a state this spec can reach: the step relies on
         the spec's counts of walls and items (a state of another spec is refused)."""
         check_state(state, self.state_dict())
-        self._check_reachable(state)
+        check_reachable(state, self.spec, self._layout)
         pos = self._interior[state["pos"].to(self.device)]
         for key in ("seed", "episode", "t", "episode_return"):
             getattr(self, key).copy_(state[key])  # in place: compiled code and graphs keep it
@@ -275,26 +275,6 @@ class ForageTorch:
         self.lanes[:, 0, :self._n_cells] = state["grid"].to(self.device)[:, self._cells]
         self.lanes[:, 0].scatter_(1, pos.unsqueeze(1), AGENT_CELL)
         self._build(torch.stack((self._zero, self._built_ahead()), 1))
-
-    def _check_reachable(self, state: dict[str, torch.Tensor]) -> None:
-        s, lay = self.spec, self._layout
-        pos, t, grid = state["pos"].cpu(), state["t"].cpu(), state["grid"].cpu()
-        if bool(((pos < 0) | (pos >= len(lay.base))).any()) \
-                or bool((self._interior.cpu()[pos] == self._n_cells).any()) \
-                or bool(((t < 0) | (t >= s.episode_length)).any()):
-            raise ValueError("state['pos'] must be interior cells and state['t'] steps in "
-                             f"[0, {s.episode_length})")
-        cells = torch.as_tensor(lay.cells)
-        inside, outside = grid[:, cells], grid.clone()
-        outside[:, cells] = WALL
-        counts = [(inside == kind).sum(1) for kind in (WALL, FOOD, POISON)]
-        if not bool((outside == WALL).all()) or any(
-                bool((c != want).any()) for c, want in zip(counts, (s.n_walls, s.n_food,
-                                                                     s.n_poison))) \
-                or bool((grid.gather(1, pos.unsqueeze(1)) != EMPTY).any()):
-            raise ValueError(f"state['grid'] must hold this spec's {s.n_walls} walls, "
-                             f"{s.n_food} food and {s.n_poison} poison inside a wall border, "
-                             "and nothing under the agent (a state of another spec?)")
 
     # --------------------------------------------------------------------- the step
 
