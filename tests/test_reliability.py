@@ -50,6 +50,16 @@ def snapshot(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != FolderLock.NAME}
 
 
+def lengthen(run: Path, total_steps: int) -> None:
+    """Make ``run`` a longer run, in its checkpoint and its config.json alike (a resume refuses
+    a config.json that disagrees with its checkpoint)."""
+    rewrite_checkpoint(run / "checkpoint.pt",
+                       lambda p: p["config"].update(total_steps=total_steps))
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["total_steps"] = total_steps
+    (run / "config.json").write_text(json.dumps(cfg))
+
+
 def rewrite_checkpoint(path: Path, edit) -> None:
     payload = checkpoint.load(path)
     edit(payload)
@@ -386,8 +396,9 @@ def test_every_command_stops_alike_on_a_signal(tmp_path, monkeypatch, capsys, ca
         result = json.loads((tmp_path / files[0]).read_text())
         assert result["interrupted"] == "SIGTERM" and result["repeats"] == 1
         assert all(len(r["samples_s"]) == 1 for r in result["rows"])
-    elif case == "ladder-figures":  # the stop waited for the figures
-        assert "ladder_cpu_quick.json" in files and len(files) == 5
+    elif case == "ladder-figures":  # the stop waited for the figures (no scaling: no sweep)
+        assert files == ["ladder_cpu_quick.json", "ladder_cpu_quick_ladder.png",
+                         "ladder_cpu_quick_learning.png", "ladder_cpu_quick_phases.png"]
         assert "while writing the results; they are all written" in lines[0]
     else:
         assert files == [] and "stopped" in lines[0]
@@ -428,7 +439,7 @@ def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeyp
 def test_a_bad_line_in_the_middle_of_the_metrics_stops_resume(copy_of, capsys):
     run = copy_of()
     # make the run unfinished (4 iterations, 2 done) so that resuming reads its metrics
-    rewrite_checkpoint(run / "checkpoint.pt", lambda p: p["config"].update(total_steps=256))
+    lengthen(run, 256)
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (run / "metrics.jsonl").write_text(lines[0][:10] + "\n" + "\n".join(lines[1:]) + "\n")
     before = snapshot(run)
@@ -441,7 +452,7 @@ def _unfinished_copy(copy_of) -> Path:
     """A copy of the finished run made unfinished (4 iterations, 2 done), so that resuming
     reads its metrics."""
     run = copy_of()
-    rewrite_checkpoint(run / "checkpoint.pt", lambda p: p["config"].update(total_steps=256))
+    lengthen(run, 256)
     (run / "summary.json").unlink()
     return run
 
@@ -624,19 +635,26 @@ def test_a_checkpoint_of_another_run_is_refused(copy_of, capsys, field, edit):
     assert snapshot(run) == before
 
 
-def test_a_checkpoint_with_a_longer_run_still_resumes(copy_of):
-    """The run's length is not what makes it another run: a longer total resumes."""
+def test_a_checkpoint_with_a_longer_run_still_resumes(copy_of, capsys):
+    """The run's length is not what makes it another run: a longer total resumes, where the
+    checkpoint and config.json agree on it; a config.json edited alone is refused, not
+    silently ignored."""
     run = copy_of()
-    rewrite_checkpoint(run / "checkpoint.pt", lambda p: p["config"].update(total_steps=192))
+    lengthen(run, 192)
     summary = train(None, run, resume=True, progress=False)
     assert summary["complete"] and summary["iterations"] == 3
+    cfg = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**cfg, "total_steps": 256}))
+    code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "config.json says total_steps 256, but the run in" in err and "has 192" in err, err
 
 
 def test_stale_temporary_checkpoints_are_removed_on_the_next_start(copy_of):
     """A kill during an atomic write leaves its temporary file (a whole checkpoint); the next
     start in that folder, holding its lock, removes them and nothing else."""
     run = copy_of()
-    rewrite_checkpoint(run / "checkpoint.pt", lambda p: p["config"].update(total_steps=192))
+    lengthen(run, 192)
     stale = [run / ".checkpoint.pt.k1ll3d.tmp", run / ".summary.json.abc.tmp"]
     for path in stale:
         path.write_bytes(b"half a checkpoint")

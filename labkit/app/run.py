@@ -393,8 +393,9 @@ def _read_metrics(path: Path, keep_through: int) -> list[dict]:
     return kept
 
 
-#: What makes two runs different runs: a checkpoint must agree with its folder's config.json
-#: on these (the run's length and checkpoint interval may differ; they are the saved ones).
+#: What makes two runs different runs: a checkpoint that disagrees with its folder's
+#: config.json on these is another run's; on any other field (the run's length, its checkpoint
+#: interval) the config.json was edited, which a resume refuses too.
 SAME_RUN = ("stage", "run.n_envs", "run.n_steps", "run.seed", "run.value_head", "run.spec",
             "run.ppo", "world_size")
 
@@ -436,13 +437,20 @@ def _check_same_run(saved_cfg: TrainConfig, ckpt_path: Path, cfg_path: Path) -> 
                f"{cfg_path})")
     folder = _config_in(_read_json(cfg_path), cfg_path, f" {recover}").to_dict()
     ours, theirs = _flat(saved_cfg.to_dict()), _flat(folder)
-    for key in sorted(set(ours) | set(theirs)):
-        same_run_field = any(key == f or key.startswith(f + ".") for f in SAME_RUN)
-        if same_run_field and ours.get(key) != theirs.get(key):
+    derived = ("n_iterations", "run.lr_horizon")  # computed: name what was edited first
+    for key in sorted(set(ours) | set(theirs), key=lambda k: (k in derived, k)):
+        if ours.get(key) == theirs.get(key):
+            continue
+        if any(key == f or key.startswith(f + ".") for f in SAME_RUN):
             raise checkpoint.CheckpointError(
                 f"{ckpt_path} belongs to another run: its {key} is {ours.get(key)!r}, "
                 f"{cfg_path} says {theirs.get(key)!r}; a checkpoint copied from another run "
                 f"folder, or an edited config.json {recover}")
+        raise ValueError(  # the run's length, say: a resume would not honour the edit
+            f"{cfg_path} says {key} {theirs.get(key)!r}, but the run in {ckpt_path} has "
+            f"{ours.get(key)!r}: a resumed run keeps the config it started with, so an edited "
+            f"config.json is refused rather than ignored; restore it to resume, or start a "
+            "new run")
 
 
 def _check_run_files(out: Path) -> None:
