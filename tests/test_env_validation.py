@@ -157,10 +157,11 @@ def _hostile(state: dict) -> list[tuple[str, dict]]:
     ]
 
 
-@pytest.mark.parametrize("cls", [ForageTorch, ForageNumpy], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [ForageTorch, ForageNumpy, ForageTorchLoop],
+                         ids=lambda c: c.__name__)
 def test_both_envs_refuse_the_same_unreachable_states(cls) -> None:
-    """A hostile but well-formed state is refused at load, naming the key, by ForageTorch and
-    ForageNumpy alike; a refusal changes nothing."""
+    """A hostile but well-formed state is refused at load, naming the key, by ForageTorch,
+    ForageNumpy and ForageTorchLoop alike; a refusal changes nothing."""
     env = cls(4)
     state = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
              for k, v in env.state_dict().items()}
@@ -186,3 +187,24 @@ def test_mean_return_and_bench_arguments() -> None:
         bench_envs("cpu", n_envs=(0,))
     with pytest.raises(ValueError, match="n_envs must name"):
         bench_envs("cpu", n_envs=())
+
+
+def test_forage_py_refuses_what_the_vectorized_envs_refuse() -> None:
+    """The plain-Python env's state (lists and ints) goes through the same check."""
+    env = ForagePy()
+    env.reset()
+    state = env.state_dict()
+    agent_r, agent_c = state["pos"]
+    food_under = [list(row) for row in state["grid"]]
+    food_under[agent_r][agent_c] = 2
+    for key, bad in (("t", {"t": 128}), ("t", {"t": -1}), ("episode", {"episode": -2}),
+                     ("episode_return", {"episode_return": float("nan")}),
+                     ("episode_return", {"episode_return": 3.0}),  # t is 0
+                     ("pos", {"pos": (0, 0)}), ("pos", {"pos": (99, 1)}),
+                     ("grid", {"grid": [[99] * len(row) for row in state["grid"]]}),
+                     ("grid", {"grid": food_under}), ("grid", {"grid": [[0]]}),
+                     ("seed", {"seed": -1})):
+        with pytest.raises((ValueError, TypeError), match=rf"state\[{key!r}\]|{key}"):
+            env.load_state_dict({**state, **bad})
+    env.load_state_dict(state)
+    assert env.state_dict() == state

@@ -113,12 +113,45 @@ class ForagePy:
                 "episode_return": self.episode_return}
 
     def load_state_dict(self, state: dict) -> None:
-        if set(state) != set(STATE_KEYS):
-            raise ValueError(f"state must have keys {sorted(STATE_KEYS)}, got {sorted(state)}")
+        if not isinstance(state, dict) or set(state) != set(STATE_KEYS):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"state must have keys {sorted(STATE_KEYS)}, got {got}")
+        self._check_reachable(state)
         self.seed, self.episode, self.t = state["seed"], state["episode"], state["t"]
         self.grid = [list(row) for row in state["grid"]]
         self.pos = tuple(state["pos"])
         self.episode_return = state["episode_return"]
+
+
+    def _check_reachable(self, state: dict) -> None:
+        """The vectorized envs' check (:func:`labkit.envs.numpy.check_reachable`) on this
+        env's plain-data state, laid out as theirs: the same states are refused."""
+        import torch
+
+        from .numpy import Layout, check_reachable
+
+        s, lay = self.spec, Layout.of(self.spec)
+        for key in ("episode", "t"):
+            check_int(f"state[{key!r}]", state[key], 0)
+        ret = state["episode_return"]
+        if isinstance(ret, bool) or not isinstance(ret, (int, float)):
+            raise ValueError("state['episode_return'] must be a number")
+        try:
+            grid = torch.tensor(state["grid"], dtype=torch.int64)
+            r, c = (int(v) for v in state["pos"])
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError("state['grid'] must be rows of cell kinds and state['pos'] a (row, "
+                             "column) pair") from None
+        if tuple(grid.shape) != (s.height, s.width) or not (0 <= r < s.height and 0 <= c < s.width):
+            raise ValueError(f"state['grid'] must be {s.height} x {s.width} and state['pos'] "
+                             "a cell of it")
+        pad = s.radius
+        padded = torch.as_tensor(lay.base, dtype=torch.int64).view(lay.rows, lay.cols).clone()
+        padded[pad:pad + s.height, pad:pad + s.width] = grid
+        check_reachable({"seed": state["seed"], "episode": torch.tensor([state["episode"]]),
+                         "t": torch.tensor([state["t"]]), "grid": padded.view(1, -1),
+                         "pos": torch.tensor([(r + pad) * lay.cols + c + pad]),
+                         "episode_return": torch.tensor([float(ret)])}, s, lay)
 
 
 class ForagePyList(list):

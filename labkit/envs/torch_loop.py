@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .numpy import AGENT, Layout
+from .numpy import AGENT, Layout, check_reachable
 from .rng import hash32
 from .spec import EMPTY, FOOD, POISON, WALL, ForageSpec, check_seed
 from .torch import STATE_KEYS, check_actions, check_env_args, check_state, kth_free
@@ -144,5 +144,6 @@ class ForageTorchLoop:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         check_state(state, self.state_dict())
+        check_reachable(state, self.spec, Layout.of(self.spec))
         for key in STATE_KEYS:
             getattr(self, key).copy_(state[key])
