@@ -21,12 +21,10 @@ _NEXT = re.compile(r"^#+\s", re.MULTILINE)
 #: Snippets that do not run alone yet, with the first error a reader meets (issue 41): the
 #: test fails when one of them runs, so that it leaves this list.
 KNOWN_FAILING = {
-    "04_batch_everything": "NameError",
     "05_log_off_the_hot_path": "NameError: name 'folder' is not defined",
     "07_metrics_on_the_device": "NameError: name 'device' is not defined",
     "08_fused_optimizers_and_amp": "NameError: name 'SyncMeter' is not defined",
     "09_cuda_graphs": "NameError: name 'importlib' is not defined",
-    "11_the_ladder": "NameError: name 'torch' is not defined",
 }
 
 _BOOT = """
