@@ -23,7 +23,6 @@ _NEXT = re.compile(r"^#+\s", re.MULTILINE)
 KNOWN_FAILING = {
     "05_log_off_the_hot_path": "NameError: name 'folder' is not defined",
     "07_metrics_on_the_device": "NameError: name 'device' is not defined",
-    "08_fused_optimizers_and_amp": "NameError: name 'SyncMeter' is not defined",
     "09_cuda_graphs": "NameError: name 'importlib' is not defined",
 }
 
