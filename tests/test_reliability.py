@@ -1522,3 +1522,32 @@ def test_hostile_but_well_formed_saved_state_is_refused_at_the_door(tmp_path, mo
         code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
         assert code == 2 and needle in err and err.count("\n") == 1, (needle, err)
         assert (run / "checkpoint.pt").read_bytes() == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 64 KiB tmpfs (root only, where mounting is allowed), unmounted after."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+def test_a_full_disk_keeps_the_previous_file_and_names_it(small_disk):
+    from labkit.files import describe_os_error
+    old = small_disk / "results.json"
+    write_json(old, {"old": True})
+    with pytest.raises(OSError) as caught:
+        write_json(old, {"x": "y" * 200_000})
+    said = describe_os_error(caught.value)
+    assert "No space left on device" in said and f"{old} is kept as it was" in said, said
+    assert json.loads(old.read_text()) == {"old": True}
+    assert [p.name for p in small_disk.iterdir()] == ["results.json"]
