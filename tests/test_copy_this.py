@@ -21,7 +21,6 @@ _NEXT = re.compile(r"^#+\s", re.MULTILINE)
 #: Snippets that do not run alone yet, with the first error a reader meets (issue 41): the
 #: test fails when one of them runs, so that it leaves this list.
 KNOWN_FAILING = {
-    "05_log_off_the_hot_path": "NameError: name 'folder' is not defined",
     "07_metrics_on_the_device": "NameError: name 'device' is not defined",
     "09_cuda_graphs": "NameError: name 'importlib' is not defined",
 }
@@ -127,3 +126,32 @@ def test_every_read_counter_is_chapter_01s():
     assert len(embedded) >= 2, embedded.keys()
     assert all(c == original for c in embedded.values()), [
         name for name, c in embedded.items() if c != original]
+
+
+def test_chapter_05s_logger_takes_numbers_and_never_hangs_on_a_dead_writer(tmp_path):
+    """What a review reproduced in 05's snippet: a Python number logged, a tensor that needs
+    grad logged (its value, not its graph), and a sink that fails while the queue is full:
+    log() raises instead of blocking forever, and close() says why."""
+    code, _ = snippet(ROOT / "notebooks" / "05_log_off_the_hot_path.ipynb")
+    test = code[:code.index("path = Path(tempfile.mkdtemp())")] + """
+ok = BackgroundLogger(Path(sys.argv[1]) / "ok.jsonl", max_queue=2)
+w = torch.ones(1, requires_grad=True)
+for step in range(5):
+    ok.log(step, loss=(w * 2).sum(), lr=3e-4)
+ok.close()
+print(open(Path(sys.argv[1]) / "ok.jsonl").readline().strip())
+dead = BackgroundLogger(Path(sys.argv[1]) / "dead.jsonl", max_queue=2)
+dead.file.close()  # the sink fails at its first write
+try:
+    for step in range(100):
+        dead.log(step, loss=torch.tensor(1.0))
+except RuntimeError as err:
+    print("log raised:", err)
+"""
+    (tmp_path / "snippet.py").write_text("import sys\n" + test, encoding="utf-8")
+    done = subprocess.run([sys.executable, "snippet.py", str(tmp_path)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == '{"step": 0, "loss": 2.0, "lr": 0.0003}', lines
+    assert lines[1].startswith("log raised: the logger's writer failed: ValueError"), lines
