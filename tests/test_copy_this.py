@@ -21,7 +21,6 @@ _NEXT = re.compile(r"^#+\s", re.MULTILINE)
 #: Snippets that do not run alone yet, with the first error a reader meets (issue 41): the
 #: test fails when one of them runs, so that it leaves this list.
 KNOWN_FAILING = {
-    "07_metrics_on_the_device": "NameError: name 'device' is not defined",
     "09_cuda_graphs": "NameError: name 'importlib' is not defined",
 }
 
