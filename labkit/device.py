@@ -14,19 +14,29 @@ import torch
 ALLOWED = ("auto", "cpu", "cuda", "cuda:<index>")
 
 
-def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """``"auto"``/``None`` picks CUDA when present, else the CPU. Unknown names and CUDA asked
-    for on a machine without it raise ``ValueError`` naming the field."""
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def parse_device(device: str | torch.device) -> torch.device | None:
+    """``device``'s spelling checked, without looking for the device: None for ``"auto"``,
+    else the ``torch.device`` (cpu or cuda); ValueError naming the field and the allowed
+    values otherwise."""
+    if device == "auto":
+        return None
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
-        raise ValueError(f"device must be one of {', '.join(ALLOWED)}; got {device!r}") from None
-    if dev.type not in ("cpu", "cuda"):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be one of {', '.join(ALLOWED)}; got {device!r}")
+    return dev
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """``"auto"``/``None`` picks CUDA when present, else the CPU. Unknown names and CUDA asked
+    for on a machine without it raise ``ValueError`` naming the field."""
+    dev = parse_device(device) if device is not None else None
+    if dev is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r} asked for, but CUDA is not available here; "

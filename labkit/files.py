@@ -107,6 +107,19 @@ def write_jsonl(path: str | os.PathLike, records: list[dict]) -> Path:
     return Path(path)
 
 
+def read_json_object(path: str | os.PathLike, what: str,
+                     error: type[ValueError] = ValueError) -> dict:
+    """The JSON object in ``path``; ``error`` naming the file where it is torn, not JSON, or
+    JSON of another shape than ``what`` (the run door's config, a results file)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise error(f"{path} is not valid JSON (torn or edited: {err})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path} holds a JSON {type(data).__name__}, not {what}")
+    return data
+
+
 def is_dir(path: str | os.PathLike, flag: str) -> bool:
     """Whether ``path`` is a folder; a path the file system refuses to look up (a name too
     long) is a user error naming ``flag``."""

@@ -1064,7 +1064,7 @@ def _results_copy(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("name, text, needle", [
     ("ladder_cpu_quick.json", "{}", "is not a labkit result: field 'meta' is missing"),
-    ("bench_env_cpu_quick.json", "[]", "is not a labkit result: field 'meta' is missing"),
+    ("bench_env_cpu_quick.json", "[]", "holds a JSON list, not a labkit result"),
     ("ladder_cpu_quick.json", '{"meta": {"device": "cpu"', "is not valid JSON"),
     ("learning_cpu_quick.json", None, "field 'budget' is missing"),
     ("ladder_cpu_quick.json", None, "field 'config' is missing"),

@@ -23,6 +23,7 @@ from .flags import (
     non_negative_int,
     path,
     positive_int,
+    run_id,
     stage,
     stage_flags,
     stage_list,
@@ -129,20 +130,16 @@ def cmd_plot_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from ..files import check_output_dir
     from ..signals import Stop, signum_of, stop_signals
     from .plan import format_plan, plan, select
     from .record import record
-    from .results import check_run_id
 
     device, profile = _device_and_profile(args)
     todo = select(plan(profile, args.notebooks), args.parts)
-    if args.run is not None:
-        check_run_id(args.run)
     if args.plan:
         print(format_plan(todo, device, profile, args.out))
         return 0
-    out = check_output_dir(args.out)
+    out = args.out
     try:
         with stop_signals():
             seconds = record(device, profile, out, parts=args.parts, notebooks=args.notebooks,
@@ -195,12 +192,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from ..files import check_output_dir, is_dir
     from .report import write_report
 
-    if not is_dir(args.results, "--results"):
-        raise ValueError(f"--results: {args.results!r} is not a folder (make record writes one)")
-    check_output_dir(args.results, "--results")  # RESULTS.md is written there: refused up front
     for written in write_report(args.results):
         print(f"wrote {written}")
     return 0
@@ -298,7 +291,7 @@ def _add_record(sub) -> None:
     p.add_argument("--plan", action="store_true",
                    help="print the parts with their estimated minutes and commands that fit "
                         "in 9 minutes each; run nothing")
-    p.add_argument("--run", default=None, metavar="ID",
+    p.add_argument("--run", type=run_id, default=None, metavar="ID",
                    help="the run these parts belong to: several commands on one machine at "
                         "one commit with the same ID count as one run, whose rows' ratios "
                         "compare (default: a new run)")

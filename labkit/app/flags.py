@@ -66,6 +66,15 @@ def stage_list(text: str) -> list:
     return [get_stage(name) for name in dict.fromkeys(map(stage, parts))]
 
 
+def run_id(text: str) -> str:
+    """A record's run id (:func:`labkit.app.results.check_run_id`)."""
+    from .results import check_run_id
+    try:
+        return check_run_id(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def finite_float(text: str) -> float:
     try:
         value = float(text)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..device import git_commit, run_metadata
-from ..files import atomic_write, save_figure, write_json
+from ..files import atomic_write, check_output_dir, save_figure, write_json
 from .plan import LEARNING, Part, plan, select
 from .report import write_report
 from .results import (
@@ -351,7 +351,7 @@ def record(device: torch.device, profile: str, out: str | Path = "results",
     sweep and the learning runs; ``run`` continues a run recorded by an earlier command."""
     todo = select(plan(profile, notebooks, stages), parts)
     run = check_run_id(run) if run is not None else new_run_id()
-    out = Path(out)
+    out = check_output_dir(out)
     commit = commit_for_record(allow_dirty)
     session = _Session(device, profile, out, commit, run, say, todo, stages,
                        overwrite_gpu_notebooks)

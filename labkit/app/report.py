@@ -3,11 +3,10 @@ generated from the JSON files in the results folder (``make record`` writes them
 checked at the door; one that is not a labkit result of its kind is named in one line."""
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
-from ..files import atomic_write
+from ..files import atomic_write, check_output_dir, is_dir, read_json_object
 from ..measure import tables
 from .results import ROOT
 
@@ -22,11 +21,8 @@ def _load(folder: Path, pattern: str) -> list[tuple[str, dict]]:
     for p in sorted(folder.glob(pattern)):
         if p.name.endswith("_partial.json"):
             continue
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{p} is not valid JSON (torn or edited: {err})") from None
-        if not isinstance(data, dict) or not isinstance(data.get("meta"), dict):
+        data = read_json_object(p, "a labkit result")
+        if not isinstance(data.get("meta"), dict):
             raise ValueError(f"{p} is not a labkit result: field 'meta' is missing")
         for key in ("device", "device_name", "torch", "git_commit", "date"):
             if not isinstance(data["meta"].get(key), str):
@@ -212,8 +208,11 @@ def readme_section(folder: str | Path) -> str:
 
 def write_report(folder: str | Path = "results", readme: str | Path | None = None
                  ) -> list[Path]:
-    """Write ``folder/RESULTS.md`` and the README's results section (between its markers)."""
-    folder = Path(folder)
+    """Write ``folder/RESULTS.md`` and the README's results section (between its markers);
+    a ``folder`` that is not a writable folder is refused before anything is read."""
+    if not is_dir(folder, "--results"):
+        raise ValueError(f"--results: {str(folder)!r} is not a folder (make record writes one)")
+    folder = check_output_dir(folder, "--results")
     written = []
     with atomic_write(folder / "RESULTS.md") as f:
         f.write(results_markdown(folder))

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from ..config import RunConfig, split_run_fields
-from ..device import ALLOWED as DEVICES
-from ..device import resolve_device
+from ..device import parse_device, resolve_device
 from ..distributed import SINGLE, Group
 from ..files import (
     FolderLock,
@@ -34,6 +33,7 @@ from ..files import (
     describe_os_error,
     is_dir,
     no_links,
+    read_json_object,
     unique_folder,
     write_json,
     write_jsonl,
@@ -49,6 +49,8 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 #: A folder holding any of these holds a run.
 RUN_FILES = (CONFIG, METRICS, checkpoint.FILENAME)
+#: What config.json holds, and the error that names it when it does not.
+_CONFIG_JSON = ("a run config object", checkpoint.CheckpointError)
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,9 @@ class TrainConfig:
         if not isinstance(self.run, RunConfig):
             raise TypeError(f"run must be a RunConfig, got {type(self.run).__name__}")
         self.stage = get_stage(self.stage).name if self.stage is not None else None
-        if not isinstance(self.device, str) or not _device_syntax_ok(self.device):
-            raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
+        if not isinstance(self.device, str):
+            raise TypeError(f"device must be a str, got {type(self.device).__name__}")
+        parse_device(self.device)
         check_int("total_steps", self.total_steps, 1)
         check_int("checkpoint_every", self.checkpoint_every, 0)
         check_int("world_size", self.world_size, 1)
@@ -120,15 +123,6 @@ class TrainConfig:
         init = {f.name for f in fields(cls) if f.init}
         kwargs = {k: v for k, v in data.items() if k in init and k != "run"}
         return cls(run=RunConfig.from_dict(data["run"]), **kwargs)
-
-
-def _device_syntax_ok(device: str) -> bool:
-    if device == "auto":
-        return True
-    try:
-        return torch.device(device).type in ("cpu", "cuda")
-    except (RuntimeError, ValueError):
-        return False
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -304,7 +298,7 @@ def _saved_run(cfg: TrainConfig | None, out: Path) -> tuple[TrainConfig, dict | 
         saved = checkpoint.check(checkpoint.load(ckpt_path), ckpt_path)
         source, data = ckpt_path, saved["config"]
     else:
-        source, data = cfg_path, _read_json(cfg_path)
+        source, data = cfg_path, read_json_object(cfg_path, *_CONFIG_JSON)
     saved_cfg = _config_in(data, source)
     if cfg is not None and cfg.to_dict() != saved_cfg.to_dict():
         raise ValueError(f"cfg differs from the config saved in {source}; pass cfg=None to "
@@ -407,20 +401,6 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
             for k, v in _flat(value, f"{prefix}.{key}" if prefix else str(key)).items()}
 
 
-def _read_json(path: Path) -> dict:
-    """A JSON object from ``path``, or CheckpointError naming the file (torn, not JSON, or
-    JSON of another shape)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise checkpoint.CheckpointError(f"{path} is not valid JSON (torn or edited: {err})"
-                                         ) from None
-    if not isinstance(data, dict):
-        raise checkpoint.CheckpointError(f"{path} holds a JSON {type(data).__name__}, not a "
-                                         "run config object")
-    return data
-
-
 def _config_in(data: dict, source: Path, advice: str = "") -> TrainConfig:
     """The run config ``data`` read from ``source``, or CheckpointError naming the file."""
     try:
@@ -435,7 +415,8 @@ def _check_same_run(saved_cfg: TrainConfig, ckpt_path: Path, cfg_path: Path) -> 
     copied or misplaced file would mix two runs' metrics and models), naming the field."""
     recover = (f"(the checkpoint holds its own config: to resume it, delete or restore "
                f"{cfg_path})")
-    folder = _config_in(_read_json(cfg_path), cfg_path, f" {recover}").to_dict()
+    data = read_json_object(cfg_path, *_CONFIG_JSON)
+    folder = _config_in(data, cfg_path, f" {recover}").to_dict()
     ours, theirs = _flat(saved_cfg.to_dict()), _flat(folder)
     derived = ("n_iterations", "run.lr_horizon")  # computed: name what was edited first
     for key in sorted(set(ours) | set(theirs), key=lambda k: (k in derived, k)):
@@ -482,8 +463,8 @@ def device_type(cfg: TrainConfig | None, out: Path, resume: bool) -> str:
     if cfg is None and resume:
         try:
             saved = json.loads((out / CONFIG).read_text(encoding="utf-8")).get("device")
-            device = saved if isinstance(saved, str) and _device_syntax_ok(saved) else device
-        except (OSError, ValueError, AttributeError):
+            device = saved if parse_device(saved) is not None else device
+        except (OSError, ValueError, TypeError, AttributeError):
             pass
     try:
         return resolve_device(device).type
