@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .envs.spec import ForageSpec, check_n_envs, check_seed
-from .policy import VALUE_HEADS
+from .policy import VALUE_HEADS, check_body
 from .ppo import PPOConfig
 from .validate import check_int, check_type
 
@@ -42,6 +42,9 @@ class RunConfig:
     """Seed for the envs, the model init and action sampling."""
     value_head: str = "plain"
     """Value head: plain, or popart (normalized value targets)."""
+    model: str = "conv"
+    """The agent's body: conv (the reference), or attention (one self-attention layer over the
+    view's cells through F.scaled_dot_product_attention; chapter 08)."""
     lr_horizon: int = 1000
     """Iterations over which the LR anneals linearly to 0 (when ``ppo.anneal_lr``). A training
     run sets it to its own length, as CleanRL does."""
@@ -59,6 +62,7 @@ class RunConfig:
         if self.value_head not in VALUE_HEADS:
             raise ValueError(f"value_head must be one of {', '.join(VALUE_HEADS)}; "
                              f"got {self.value_head!r}")
+        check_body(self.model)
         check_int("lr_horizon", self.lr_horizon, 1)
         check_type("spec", self.spec, ForageSpec)
         check_type("ppo", self.ppo, PPOConfig)

@@ -1,7 +1,10 @@
 """The reference agent: a small conv net with a policy head and a swappable value head.
 
-The architecture is fixed so that FLOP counts and timings compare across stages. The two value
-heads share one interface, so the update calls the same methods whichever head is in use:
+The architecture is fixed so that FLOP counts and timings compare across stages; its body is
+the conv net (``"conv"``) or, where a reader wants attention, one self-attention layer over the
+view's cells through ``F.scaled_dot_product_attention`` (``"attention"``, :class:`AttentionBody`:
+the same heads, the same ``act``/``evaluate``). The two value heads share one interface, so
+the update calls the same methods whichever head is in use:
 
 * ``forward(h)`` / ``get_training_value(h)``: the value in *training space* (what the value loss
   sees; normalized for PopArt),
@@ -16,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from labkit import debug
@@ -23,6 +27,9 @@ from labkit.envs.spec import N_ACTIONS, N_CHANNELS
 
 HIDDEN = 128
 VALUE_HEADS = ("plain", "popart")
+BODIES = ("conv", "attention")
+#: The attention body's width and heads (head dim 8: inside every fused kernel's limits).
+ATTENTION_DIM, ATTENTION_HEADS = 32, 4
 
 
 def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:
@@ -38,20 +45,74 @@ def check_view(view: object) -> int:
     return view
 
 
-def flops_per_sample(view: int = 7) -> dict[str, int]:
+def flops_per_sample(view: int = 7, body: str = "conv") -> dict[str, int]:
     """FLOPs of the reference agent per observation.
 
-    Convention: 2 FLOPs per multiply-add of the convolutions and linear layers (policy and value
-    heads included); biases, ReLUs, softmax and the optimizer are not counted. ``train`` is
-    forward + backward, taken as 3x forward (backward = grads w.r.t. inputs + w.r.t. weights).
+    Convention: 2 FLOPs per multiply-add of the convolutions, linear layers and attention's two
+    matmuls (policy and value heads included); biases, ReLUs, softmax and the optimizer are not
+    counted. ``train`` is forward + backward, taken as 3x forward (backward = grads w.r.t.
+    inputs + w.r.t. weights).
     """
     check_view(view)
-    s1, s2 = view - 2, view - 4
-    macs = (s1 * s1 * 16 * N_CHANNELS * 9      # conv1
-            + s2 * s2 * 32 * 16 * 9            # conv2
-            + 32 * s2 * s2 * HIDDEN            # linear
-            + HIDDEN * N_ACTIONS + HIDDEN)     # policy and value heads
+    check_body(body)
+    if body == "conv":
+        s1, s2 = view - 2, view - 4
+        macs = (s1 * s1 * 16 * N_CHANNELS * 9      # conv1
+                + s2 * s2 * 32 * 16 * 9            # conv2
+                + 32 * s2 * s2 * HIDDEN)           # linear
+    else:
+        tokens, d = view * view, ATTENTION_DIM
+        macs = (tokens * N_CHANNELS * d            # embedding
+                + tokens * d * 4 * d               # q, k, v and the output projection
+                + 2 * tokens * tokens * d          # QK^T and (softmax) V, all heads
+                + tokens * d * HIDDEN)             # linear
+    macs += HIDDEN * N_ACTIONS + HIDDEN            # policy and value heads
     return {"forward": 2 * macs, "train": 6 * macs}
+
+
+def check_body(body: object) -> str:
+    if body not in BODIES:
+        raise ValueError(f"model must be one of {', '.join(BODIES)}; got {body!r}")
+    return body
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``softmax(Q K^T / sqrt(d)) V`` written out: what ``F.scaled_dot_product_attention``
+    computes, materializing the (..., L, L) score matrix that fused kernels never store."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return scores.softmax(-1) @ v
+
+
+class AttentionBody(nn.Module):
+    """The view's V*V cells as tokens (each cell's channels embedded, plus a learned position),
+    one multi-head self-attention layer with a residual, then flatten -> linear(128) -> ReLU:
+    the conv body's output shape, so the heads and the PPO code are the same.
+
+    ``attend`` is the attention itself: ``F.scaled_dot_product_attention`` (fused kernels,
+    chosen by torch per call; ``torch.nn.attention.sdpa_kernel`` restricts the choice), or
+    :func:`attention_reference` to compare against."""
+
+    def __init__(self, view: int = 7, dim: int = ATTENTION_DIM, heads: int = ATTENTION_HEADS,
+                 attend=F.scaled_dot_product_attention) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim ({dim}) must be a multiple of heads ({heads})")
+        self.tokens, self.dim, self.heads = view * view, dim, heads
+        self.embed = layer_init(nn.Linear(N_CHANNELS, dim))
+        self.position = nn.Parameter(torch.empty(self.tokens, dim).normal_(std=0.02))
+        self.qkv = layer_init(nn.Linear(dim, 3 * dim), std=1.0)
+        self.out = layer_init(nn.Linear(dim, dim), std=1.0)
+        self.linear = layer_init(nn.Linear(self.tokens * dim, HIDDEN))
+        self.attend = attend
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        """obs (B, 3, V, V) float -> features (B, 128)."""
+        b = obs.shape[0]
+        x = self.embed(obs.flatten(2).transpose(1, 2)) + self.position       # (B, L, dim)
+        q, k, v = (self.qkv(x).view(b, self.tokens, 3, self.heads, self.dim // self.heads)
+                   .permute(2, 0, 3, 1, 4))                                  # 3 x (B, H, L, d)
+        a = self.attend(q, k, v).transpose(1, 2).reshape(b, self.tokens, self.dim)
+        return F.relu(self.linear((x + self.out(a)).flatten(1)))
 
 
 class ValueHead(nn.Module):
@@ -137,15 +198,16 @@ class PopArtValueHead(nn.Module):
 
 class Agent(nn.Module):
     """conv(3->16, 3x3) -> ReLU -> conv(16->32, 3x3) -> ReLU -> flatten -> linear(128) -> ReLU
-    -> policy logits (5) and a value head ("plain" or "popart")."""
+    (``body="attention"``: :class:`AttentionBody`) -> policy logits (5) and a value head
+    ("plain" or "popart")."""
 
-    def __init__(self, view: int = 7, value_head: str = "plain") -> None:
+    def __init__(self, view: int = 7, value_head: str = "plain", body: str = "conv") -> None:
         super().__init__()
         check_view(view)
         if value_head not in VALUE_HEADS:
             raise ValueError(f"value_head must be one of {VALUE_HEADS}, got {value_head!r}")
         self.view = view
-        self.body = nn.Sequential(
+        self.body = AttentionBody(view) if check_body(body) == "attention" else nn.Sequential(
             layer_init(nn.Conv2d(N_CHANNELS, 16, 3)), nn.ReLU(),
             layer_init(nn.Conv2d(16, 32, 3)), nn.ReLU(),
             nn.Flatten(),

@@ -116,7 +116,8 @@ class Stage:
     notebook in ``notebooks/``) that teaches it. The pipeline builds each slot with keywords,
     the slot's whole interface:
 
-    * ``env(n_envs=, spec=, seed=, device=, env_offset=)``, ``model(view=, value_head=)``,
+    * ``env(n_envs=, spec=, seed=, device=, env_offset=)``,
+      ``model(view=, value_head=, body=)``,
       ``collector(env=, n_steps=, act=, metrics=, device=, clock=)`` (its ``accepts`` names
       the envs it can step), ``logger(target=)``, ``metrics(device=)``: classes;
     * ``optimizer``: an :class:`OptimizerComponent`, ``optimizer(params=, cfg=, device=)``,
@@ -335,7 +336,8 @@ class Pipeline:
         self.ppo = cfg.ppo
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
-            self.agent = stage.model(view=cfg.spec.view, value_head=cfg.value_head).to(device)
+            self.agent = stage.model(view=cfg.spec.view, value_head=cfg.value_head,
+                                     body=cfg.model).to(device)
         self.group = group
         self.generator = torch.Generator(device).manual_seed(group.sampling_seed(cfg.seed))
         self.clock = PhaseClock(device)

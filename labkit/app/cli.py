@@ -71,7 +71,7 @@ def cmd_ladder(args: argparse.Namespace) -> int:
 
 
 TRAIN_OPTIONS = ("stage", "device", "n_envs", "n_steps", "total_steps", "seed", "value_head",
-                 "checkpoint_every")
+                 "model", "checkpoint_every")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -251,7 +251,7 @@ def _add_ladder(sub) -> None:
 
 def _add_train(sub) -> None:
     from ..config import RunConfig
-    from ..policy import VALUE_HEADS
+    from ..policy import BODIES, VALUE_HEADS
     from .train import TrainConfig
 
     # Flags left unset take the config's defaults, or the resumed run's values.
@@ -263,6 +263,7 @@ def _add_train(sub) -> None:
     field_flag(p, TrainConfig, "total_steps", positive_int)
     field_flag(p, RunConfig, "seed", non_negative_int)
     field_flag(p, RunConfig, "value_head", str, choices=VALUE_HEADS)
+    field_flag(p, RunConfig, "model", str, choices=BODIES)
     field_flag(p, TrainConfig, "checkpoint_every", non_negative_int)
     p.add_argument("--out", type=path, default=None,
                    help="run folder (default: a new runs/train-<date>-<time>)")

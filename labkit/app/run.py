@@ -390,8 +390,8 @@ def _read_metrics(path: Path, keep_through: int) -> list[dict]:
 #: What makes two runs different runs: a checkpoint that disagrees with its folder's
 #: config.json on these is another run's; on any other field (the run's length, its checkpoint
 #: interval) the config.json was edited, which a resume refuses too.
-SAME_RUN = ("stage", "run.n_envs", "run.n_steps", "run.seed", "run.value_head", "run.spec",
-            "run.ppo", "world_size")
+SAME_RUN = ("stage", "run.n_envs", "run.n_steps", "run.seed", "run.value_head", "run.model",
+            "run.spec", "run.ppo", "world_size")
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:

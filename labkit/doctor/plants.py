@@ -238,8 +238,8 @@ class BranchyAgent(Agent):
     """The reference agent with PopArt switched on through :class:`BranchyValueHead` (the
     report's setting), whatever ``value_head`` says; same initial weights."""
 
-    def __init__(self, view: int = 7, value_head: str = "plain") -> None:
-        super().__init__(view, value_head)
+    def __init__(self, view: int = 7, value_head: str = "plain", body: str = "conv") -> None:
+        super().__init__(view, value_head, body)
         head = BranchyValueHead(HIDDEN)
         head.linear.load_state_dict(self.value_head.linear.state_dict())
         self.value_head = head

@@ -190,7 +190,7 @@ def _metered_iteration(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter, Batch]:
 def _work_flops(run: RunConfig) -> float:
     """Model FLOPs of one iteration: T x N policy forwards, the update's epochs of training
     passes over them, and the bootstrap values."""
-    flops = flops_per_sample(run.spec.view)
+    flops = flops_per_sample(run.spec.view, run.model)
     samples = run.n_envs * run.n_steps
     return (samples * (flops["forward"] + run.ppo.update_epochs * flops["train"])
             + run.n_envs * flops["forward"])
