@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
@@ -20,9 +21,7 @@ _NEXT = re.compile(r"^#+\s", re.MULTILINE)
 
 #: Snippets that do not run alone yet, with the first error a reader meets (issue 41): the
 #: test fails when one of them runs, so that it leaves this list.
-KNOWN_FAILING = {
-    "09_cuda_graphs": "NameError: name 'importlib' is not defined",
-}
+KNOWN_FAILING: dict[str, str] = {}
 
 _BOOT = """
 import importlib.abc, runpy, sys
@@ -154,3 +153,34 @@ except RuntimeError as err:
     lines = done.stdout.splitlines()
     assert lines[0] == '{"step": 0, "loss": 2.0, "lr": 0.0003}', lines
     assert lines[1].startswith("log raised: the logger's writer failed: ValueError"), lines
+
+
+def test_chapter_09s_capture_helper_captures_and_replays_in_a_rehearsal(tmp_path):
+    """09's GraphStep with its capture path forced, inside labkit's rehearsal (which stands in
+    for torch.cuda's graph API on the CPU, not for ``torch.cuda.is_available``): one capture,
+    the generator registered, a replay per call into the capture's tensors, outputs cloned, and
+    the same values as the step run eagerly. The snippet runs first as written (eagerly here),
+    without labkit; the test then imports labkit."""
+    code, _ = snippet(ROOT / "notebooks" / "09_cuda_graphs.ipynb")
+    scope: dict = {"__name__": "snippet"}
+    exec(compile(code, "snippet.py", "exec"), scope)  # noqa: S102 - the chapter's own code
+    from labkit.doctor.standin import rehearsal
+
+    step, x, gen = scope["step"], scope["x"], scope["gen"]
+    with rehearsal() as rehearsed:  # strict: a capture with any problem raises
+        graphed = scope["GraphStep"](step, generator=gen, capture=True)
+        first = graphed(x)
+        kept = [t.clone() for t in first]
+        second = graphed(2 * x)
+    assert graphed.attempts == 1 and graphed.capture and graphed.graph is not None
+    assert len(rehearsed.graphs) == 1 and rehearsed.graphs[0].replays == 2
+    assert rehearsed.graphs[0].generators == [gen] and not rehearsed.problems
+    assert all(torch.equal(a, b) for a, b in zip(first, kept))  # cloned, not overwritten
+    assert not torch.equal(first[1], second[1])  # the registered generator drew afresh
+    assert torch.equal(second[0], step(2 * x)[0])
+    # a capture that fails (a host read, refused by the strict rehearsal) is tried once
+    once = scope["GraphStep"](scope["reads_the_host"], capture=True)
+    with rehearsal(), pytest.warns(UserWarning, match="capture failed"):
+        results = [once(x) for _ in range(5)]
+    assert once.attempts == 1 and not once.capture
+    assert all(torch.equal(r, x / x.abs().max()) for r in results)
