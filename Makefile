@@ -48,7 +48,7 @@ else
 	    $(BIN)/pip install "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX) \
 	    --extra-index-url https://pypi.org/simple
 endif
-	$(BIN)/pip install -e ".[dev,notebooks,gym,tensorboard]"
+	$(BIN)/pip install -e ".[dev,notebooks,gym,tensorboard,sb3,cleanrl]"
 	touch $@
 
 clean:

@@ -9,7 +9,8 @@ The names a reader types are here, imported when first used (``import labkit`` s
 
 ``Pipeline``, ``STAGES``, ``get_stage`` (the ladder), ``RunConfig`` (what a pipeline runs),
 ``train`` (a run with checkpoints), ``diagnose`` (the doctor), ``rehearse`` (a CUDA-graph
-capture rehearsed on the CPU) and ``SyncMeter`` (host reads, device apart from host-scalar).
+capture rehearsed on the CPU), ``SyncMeter`` (host reads, device apart from host-scalar) and
+``watch`` (the doctor's meters around your own loop).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from .version import __version__
 _FACE = {"Pipeline": "labkit.stages", "STAGES": "labkit.stages", "get_stage": "labkit.stages",
          "RunConfig": "labkit.config", "train": "labkit.app.train",
          "diagnose": "labkit.doctor", "rehearse": "labkit.doctor.rehearsal",
-         "SyncMeter": "labkit.measure.syncmeter"}
+         "SyncMeter": "labkit.measure.syncmeter", "watch": "labkit.doctor.watch"}
 
 __all__ = ["__version__", *_FACE]
 

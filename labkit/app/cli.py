@@ -1,4 +1,5 @@
-"""``python -m labkit {ladder,train,bench-env,record,report,profile,doctor,rehearse,plot-runs}``.
+"""``python -m labkit {ladder,train,bench-env,record,report,profile,doctor,rehearse,watch,
+plot-runs}``.
 
 User errors (a bad flag value, an unusable output path, a bad checkpoint) print one line
 ``error: ...`` naming the field or path and exit 2, before any work starts. Faults of the
@@ -191,6 +192,17 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_watch(args: argparse.Namespace) -> int:
+    """The script's exit code, after the report."""
+    from .watch import watch_script
+
+    report, code = watch_script(args.target, args.args, module=args.module,
+                                function=args.function)
+    sys.stdout.flush()
+    print(report.to_json() if args.json else report.format())
+    return code
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import write_report
 
@@ -362,6 +374,26 @@ def _add_rehearse(sub) -> None:
     p.set_defaults(func=cmd_rehearse)
 
 
+def _add_watch(sub) -> None:
+    p = sub.add_parser(
+        "watch", help="run your own script under labkit's meters and report what they saw",
+        description="Run a script (or -m module) under labkit.watch, like python -m cProfile: "
+                    "host reads (device reads, a sync each on a GPU, apart from host-scalar "
+                    "reads), factories without device=, copies, clones, ops, compiles and "
+                    "memory, each at its file:line with the chapter that teaches the fix. "
+                    "The report is printed when the script ends, raises or is stopped; the "
+                    "exit code is the script's.")
+    p.add_argument("--function", default=None, metavar="NAME",
+                   help="a function (name or Class.method) whose every call is one iteration; "
+                        "only its calls are watched (default: the whole script, in totals)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("-m", dest="module", action="store_true",
+                   help="TARGET is a module, run as python -m TARGET")
+    p.add_argument("target", metavar="TARGET", help="the script (or module, with -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    p.set_defaults(func=cmd_watch)
+
+
 def _add_plot_runs(sub) -> None:
     p = sub.add_parser("plot-runs", help="learning curves of train runs (steps and wall time)")
     p.add_argument("runs", type=path, nargs="+", help="train --out folders")
@@ -383,6 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile(sub)
     _add_doctor(sub)
     _add_rehearse(sub)
+    _add_watch(sub)
     _add_plot_runs(sub)
     return parser
 
@@ -402,7 +435,8 @@ KEPT_AFTER_STOP = {"doctor": "it writes no file", "rehearse": "it writes no file
                    "bench-env": "no round had finished; nothing was written",
                    "ladder": "nothing had been measured; nothing was written",
                    "report": "each file it writes is replaced whole or not at all",
-                   "plot-runs": "the figure is written whole or not at all"}
+                   "plot-runs": "the figure is written whole or not at all",
+                   "watch": "the report covers what ran"}
 
 
 def _out_of_memory(err: BaseException) -> bool:

@@ -54,6 +54,8 @@ class Watch(TorchFunctionMode):
         self.counts: dict[str, Counter] = defaultdict(Counter)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if torch.compiler.is_compiling():  # dynamo traces the code: the mode adds nothing
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = resolve_name(func) or ""

@@ -174,7 +174,9 @@ def _once(fn):
 
 
 def _reading() -> bool:
-    return getattr(_inside, "depth", 0) > 0
+    """Inside a read already counted, or while dynamo traces (the read is then a graph break,
+    run and counted eagerly; tracing the meter itself would add breaks of its own)."""
+    return torch.compiler.is_compiling() or getattr(_inside, "depth", 0) > 0
 
 
 def _wrap(name: str, fn):

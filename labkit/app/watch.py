@@ -1,0 +1,108 @@
+"""``python -m labkit watch [--function NAME] [--json] (script.py | -m module) [args]``: run a
+reader's script under :class:`labkit.doctor.watch.watch`, like ``python -m cProfile``, and
+print the report when it ends, also when it raises or is stopped (the script's own error
+first). ``--function NAME`` (``name`` or ``Class.method``) watches each call of that function
+as one iteration, and only inside it; without it the whole script is watched, in totals. The
+exit code is the script's."""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from ..doctor.watch import WatchReport, watch
+
+
+class _EachCall:
+    """A profile hook that enters ``w`` at each outermost call of a function named ``name``
+    and leaves it, one iteration, when that call returns (or raises)."""
+
+    def __init__(self, w: watch, name: str) -> None:
+        self.w, self.name = w, name
+        self.short = name.rsplit(".", 1)[-1]
+        self.frame: Any = None
+        self.seen: dict[Any, str] = {}  # code -> "file:line (qualname)"
+
+    def matches(self, code: Any) -> bool:
+        if code.co_name != self.short:
+            return False
+        qual = getattr(code, "co_qualname", code.co_name)
+        return "." not in self.name or qual == self.name or qual.endswith("." + self.name)
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and self.frame is None and self.matches(frame.f_code):
+            code = frame.f_code
+            self.seen.setdefault(code, f"{code.co_filename}:{code.co_firstlineno} "
+                                       f"({getattr(code, 'co_qualname', code.co_name)})")
+            self.frame = frame
+            self.w.__enter__()
+        elif event == "return" and frame is self.frame:
+            self.frame = None
+            self.w.__exit__(None, None, None)
+            self.w.step()
+
+    def close(self) -> None:
+        if self.frame is not None:  # stopped inside the function
+            self.frame = None
+            self.w.__exit__(None, None, None)
+            self.w.step()
+
+
+def watch_script(target: str, args: list[str], *, module: bool = False,
+                 function: str | None = None, say=print) -> tuple[WatchReport, int]:
+    """Run ``target`` (a script path, or a module name with ``module``) with ``args`` as its
+    ``sys.argv[1:]`` under a watch; (the report, the script's exit code). ValueError for a
+    script that does not exist or a function name that is not a name."""
+    if function is not None and not all(part.isidentifier() for part in function.split(".")):
+        raise ValueError(f"--function must be a function name or Class.method, got "
+                         f"{function!r}")
+    if not module and not Path(target).is_file():
+        raise ValueError(f"script {target!r}: no such file")
+    w, hook = watch(), None
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [target, *args]
+    if not module:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    code = 0
+    try:
+        if function is None:
+            w.__enter__()
+        else:
+            hook = _EachCall(w, function)
+            sys.setprofile(hook)
+        try:
+            if module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+        finally:
+            if hook is not None:
+                sys.setprofile(None)
+                hook.close()
+            elif w in watch._active:
+                w.__exit__(None, None, None)
+    except SystemExit as stop:  # the script's own exit: its code
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if not isinstance(stop.code, (int, type(None))):
+            say(str(stop.code), file=sys.stderr)
+    except KeyboardInterrupt:
+        say("\nthe script was interrupted; the report covers what ran", file=sys.stderr)
+        code = 130
+    except Exception:  # noqa: BLE001 - the script's error, printed as Python would
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    report = w.report()
+    if hook is not None:
+        if not hook.seen:
+            report.notes.insert(0, f"--function {function}: the script never called a "
+                                   "function of that name; nothing was watched")
+        elif len(hook.seen) > 1:
+            report.notes.insert(0, f"--function {function} matched {len(hook.seen)} "
+                                   "functions, each call of any one an iteration: "
+                                   + "; ".join(hook.seen.values()))
+    return report, code

@@ -1,0 +1,273 @@
+"""``labkit.watch`` and ``python -m labkit watch``: the doctor's meters on training code nobody
+here wrote (CleanRL's PPO verbatim, Stable-Baselines3's PPO), judged by the source text at the
+lines the report names, never by line numbers."""
+from __future__ import annotations
+
+import json
+import linecache
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit.app.cli import main
+from labkit.doctor.watch import watch
+from labkit.measure import syncmeter
+
+ROOT = Path(__file__).resolve().parents[1]
+CLEANRL = ROOT / "tests" / "thirdparty" / "cleanrl_ppo.py"
+
+
+def _needs(module: str):
+    """Skip without ``module``, except under CI=true, where it is installed (pyproject's sb3
+    and cleanrl extras) and its absence is a failure."""
+    if os.environ.get("CI") == "true":
+        __import__(module)
+        return
+    pytest.importorskip(module)
+
+
+def _source(where: str) -> str:
+    """The source text at a finding's ``file:line`` (a path inside the repo or a package)."""
+    path, line = where.split(" ")[0].rsplit(":", 1)
+    for base in (ROOT, *map(Path, sys.path)):
+        if (base / path).is_file():
+            return linecache.getline(str(base / path), int(line)).strip()
+    raise AssertionError(f"no file for {where}")
+
+
+def _cli_json(argv: list[str], cwd: Path) -> tuple[dict, subprocess.CompletedProcess]:
+    done = subprocess.run([sys.executable, "-m", "labkit", "watch", "--json", *argv], cwd=cwd,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    start = done.stdout.rindex("\n{\n") + 1 if "\n{\n" in done.stdout else 0
+    return json.loads(done.stdout[start:]), done
+
+
+# ---------------------------------------------------------------- the Python API
+
+
+def _loop(w, iterations=3, keep=None):
+    net = torch.nn.Linear(4, 2)
+    for _ in range(iterations):
+        x = torch.zeros(8, 4)  # a factory that names no device
+        y = net(x)
+        y.sum().item()  # a device read: y comes from the parameters
+        if keep is not None:
+            keep.append(y.detach())
+        w.step()
+
+
+def test_counts_per_iteration_at_the_readers_lines():
+    with watch() as w:
+        _loop(w, iterations=3)
+    r = w.report()
+    assert r.iterations == 3 and r.device_reads == 3 and r.host_scalar_reads == 0
+    by_kind = {(f.kind, _source(f.where)) for f in r.findings}
+    assert by_kind == {("device_read", "y.sum().item()  # a device read: y comes from the "
+                                       "parameters"),
+                       ("no_device", "x = torch.zeros(8, 4)  # a factory that names no device")}
+    assert all(f.per_iteration == 1 for f in r.findings)
+    assert "fix: chapter 07" in r.format() and json.loads(r.to_json())["iterations"] == 3
+
+
+def test_a_growing_container_is_named():
+    history: list = []
+    with watch() as w:
+        _loop(w, iterations=5, keep=history)
+    grown = [f for f in w.report().findings if f.kind == "memory_growth"]
+    assert len(grown) == 1 and grown[0].per_iteration == 1
+    assert grown[0].where == "a list held as history (a local of test_a_growing_container_is_named)"
+
+
+def test_nothing_stays_patched_also_when_the_block_raises():
+    methods = {name: getattr(torch.Tensor, name) for name in (*syncmeter._READS, "to", "copy_")}
+    with pytest.raises(ZeroDivisionError), watch() as w:
+        torch.ones(2).sum().item()
+        raise ZeroDivisionError
+    assert {name: getattr(torch.Tensor, name) for name in methods} == methods
+    assert not watch._active and w.report().host_scalar_reads + w.report().device_reads == 1
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    assert not _get_current_function_mode_stack() and not _get_current_dispatch_mode_stack()
+
+
+def test_nested_watches_are_refused_clearly_and_a_decorator_counts_each_call():
+    with watch(), pytest.raises(RuntimeError, match="do not nest"), watch():
+        pass
+    w = watch()
+
+    @w
+    def step(x):
+        return x.sum().item()
+
+    for _ in range(4):
+        step(torch.ones(3))
+    # made before the watch: taken for a device tensor (a false alarm, never a false "ok")
+    assert w.iterations == 4 and w.report().device_reads == 4
+    assert not watch._active
+
+
+@pytest.mark.slow
+def test_graph_breaks_and_recompiles_of_a_compiled_function():
+    @torch.compile
+    def f(x):
+        return x * x.sum().item()  # a graph break: a host read in the compiled region
+
+    with watch() as w:
+        for n in (4, 5, 6):
+            f(torch.ones(n))
+            w.step()
+    r = w.report()
+    assert sum(r.graph_breaks.values()) >= 1 and r.new_graphs >= 2
+    assert any(f.kind == "graph_break" for f in r.findings)
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_cli_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys):
+    assert main(["watch", str(tmp_path / "missing.py")]) == 2
+    assert capsys.readouterr().err.startswith("error: script ")
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    assert main(["watch", "--function", "not a name", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --function must be") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("body, code, said", [
+    ("import sys\nsys.exit(3)\n", 3, None),
+    ("raise KeyError('mine')\n", 1, "KeyError: 'mine'"),
+    ("def loop():\n    pass\n", 0, "never called a function of that name"),
+])
+def test_cli_returns_the_scripts_code_after_the_report(tmp_path, capsys, body, code, said):
+    script = tmp_path / "s.py"
+    script.write_text("import torch\ntorch.ones(1).sum().item()\n" + body)
+    assert main(["watch", "--function", "step", str(script)]) == code
+    out, err = capsys.readouterr()
+    assert out.startswith("labkit watch:"), out
+    assert said is None or said in out + err, (out, err)
+
+
+def test_cli_runs_a_module_and_passes_its_arguments(tmp_path, capsys, monkeypatch):
+    (tmp_path / "readers_loop.py").write_text(
+        "import sys, torch\n"
+        "def step(n):\n    return torch.arange(n).sum().item()\n"
+        "for _ in range(int(sys.argv[1])):\n    step(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["watch", "--function", "step", "-m", "readers_loop", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "5 iteration(s)" in out and "host-scalar" in out
+
+
+# ---------------------------------------------------------------- code nobody here wrote
+
+#: CleanRL's reads and the rest, by kind and the source text at the reported line.
+CLEANRL_FINDINGS = {
+    ("device_read", "probs = Categorical(logits=logits)"),  # argument validation
+    ("device_read", "return action, probs.log_prob(action), probs.entropy(), self.critic(x)"),
+    ("device_read", "next_obs, reward, terminations, truncations, infos = "
+                    "envs.step(action.cpu().numpy())"),
+    ("host_scalar_read", "next_obs, reward, terminations, truncations, infos = "
+                         "envs.step(action.cpu().numpy())"),  # .numpy() of the host copy
+    ("device_read", "clipfracs += [((ratio - 1.0).abs() > args.clip_coef).float().mean()"
+                    ".item()]"),
+    ("device_read", "y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()"),
+    ("host_scalar_read", "y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()"),
+    ("host_scalar_read", "optimizer.step()"),  # Adam's CPU step counters
+    *(("device_read", f'writer.add_scalar("losses/{name}", {var}.item(), global_step)')
+      for name, var in (("value_loss", "v_loss"), ("policy_loss", "pg_loss"),
+                        ("entropy", "entropy_loss"), ("old_approx_kl", "old_approx_kl"),
+                        ("approx_kl", "approx_kl"))),
+    ("no_device", "rewards[step] = torch.tensor(reward).to(device).view(-1)"),
+    ("from_data", "rewards[step] = torch.tensor(reward).to(device).view(-1)"),
+    ("from_data", "next_obs = torch.Tensor(next_obs).to(device)"),
+    ("from_data", "next_obs, next_done = torch.Tensor(next_obs).to(device), "
+                  "torch.Tensor(next_done).to(device)"),
+    *(("no_device", f"{name} = torch.zeros({shape}).to(device)") for name, shape in (
+        ("obs", "(args.num_steps, args.num_envs) + envs.single_observation_space.shape"),
+        ("actions", "(args.num_steps, args.num_envs) + envs.single_action_space.shape"),
+        ("logprobs", "(args.num_steps, args.num_envs)"),
+        ("rewards", "(args.num_steps, args.num_envs)"),
+        ("dones", "(args.num_steps, args.num_envs)"),
+        ("values", "(args.num_steps, args.num_envs)"),
+        ("next_done", "args.num_envs"))),
+    # indexing with a NumPy array of minibatch indices: an index tensor made from it each time
+    *(("from_data", text) for text in (
+        "_, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], "
+        "b_actions.long()[mb_inds])",
+        "logratio = newlogprob - b_logprobs[mb_inds]",
+        "mb_advantages = b_advantages[mb_inds]",
+        "v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2",
+        "v_clipped = b_values[mb_inds] + torch.clamp(",
+        "newvalue - b_values[mb_inds],",
+        "v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2")),
+}
+
+
+@pytest.mark.slow
+def test_cleanrl_ppo_verbatim_every_known_read_and_nothing_else(tmp_path):
+    _needs("tyro")
+    _needs("gymnasium")
+    report, done = _cli_json([str(CLEANRL), "--total-timesteps", "512", "--num-envs", "4",
+                              "--num-steps", "64", "--no-cuda"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = {(f["kind"], _source(f["where"])) for f in report["findings"]}
+    assert found == CLEANRL_FINDINGS, (found - CLEANRL_FINDINGS, CLEANRL_FINDINGS - found)
+    totals = {(f["kind"], _source(f["where"])): f["total"] for f in report["findings"]}
+    steps = 2 * 64  # 2 iterations of 64 steps
+    assert totals[("device_read", "next_obs, reward, terminations, truncations, infos = "
+                                  "envs.step(action.cpu().numpy())")] == steps
+    assert totals[("device_read", "probs = Categorical(logits=logits)")] == steps + 2 * 4 * 4
+
+
+@pytest.mark.slow
+def test_sb3_ppo_from_the_shell_names_sb3s_own_reads_per_rollout(tmp_path):
+    _needs("stable_baselines3")
+    script = tmp_path / "sb3_cartpole.py"
+    script.write_text(
+        "from stable_baselines3 import PPO\n"
+        "model = PPO('MlpPolicy', 'CartPole-v1', n_steps=64, batch_size=64, n_epochs=2, "
+        "seed=0, device='cpu')\nmodel.learn(256)\n")
+    runs = [_cli_json(["--function", "collect_rollouts", str(script)], tmp_path)
+            for _ in range(2)]
+    for report, done in runs:
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert report["iterations"] == 4  # 256 steps in rollouts of 64
+    first, second = ({(f["kind"], f["where"], f["total"]) for f in r["findings"]}
+                     for r, _ in runs)
+    assert first == second  # stable across runs
+    per = {(f["kind"], _source(f["where"])): f["per_iteration"] for f in runs[0][0]["findings"]}
+    sources = {text for _, text in per}
+    # SB3's own per-step reads, at its lines: the actions to the env, the values and log
+    # probabilities into the rollout buffer (cloned, then copied to NumPy)
+    assert any(".cpu().numpy()" in text and kind == "device_read" and n == 64
+               for (kind, text), n in per.items()), per
+    assert any("clone().cpu().numpy()" in text for text in sources), sources
+    assert any(f["kind"] == "device_read" and "distributions.py" in f["where"]
+               for f in runs[0][0]["findings"])  # Categorical's argument validation
+    assert all("stable_baselines3" in f["where"] for f in runs[0][0]["findings"]
+               if f["kind"] != "graph_break")
+
+
+@pytest.mark.slow
+def test_sb3_ppo_watched_from_python_on_forage(tmp_path):
+    _needs("stable_baselines3")
+    _needs("gymnasium")
+    import gymnasium as gym
+    from stable_baselines3 import PPO
+
+    import labkit.envs.gym  # noqa: F401 - registers labkit/Forage-v0
+
+    env = gym.make("labkit/Forage-v0")
+    model = PPO("MlpPolicy", env, n_steps=64, batch_size=64, n_epochs=1, seed=0, device="cpu")
+    w = watch()
+    model.collect_rollouts = w(model.collect_rollouts)  # each rollout one iteration
+    model.learn(128)
+    r = w.report()
+    assert r.iterations == 2 and r.device_reads >= 64 * 2
+    assert all("stable_baselines3" in f.where for f in r.findings if f.kind == "device_read")
