@@ -5,6 +5,10 @@ For readers who already train with Gymnasium (CleanRL, SB3): Forage is registere
 and it resets in the same step (Gymnasium's ``AutoresetMode.SAME_STEP``). This file is a
 standard host-side loop (observations to the device, actions back, every step): labkit's
 chapters show what each of those transfers costs and how the GPU-native pipeline avoids them.
+Three of their fixes are switches here, off by default (chapter 12 watches the loop with
+``python -m labkit watch`` before and after): ``--sampling gumbel`` (chapter 02),
+``--env-backend torch`` (chapter 03, with the episode statistics summed on the device as in
+chapter 07) and ``--fused-adam true`` (chapter 08).
 
     python examples/cleanrl_gymnasium.py --total-timesteps 200000
 """
@@ -43,6 +47,14 @@ class Args:
     max_grad_norm: float = 0.5
     cuda: bool = True
     """use CUDA when it is available"""
+    sampling: str = "categorical"
+    """categorical (torch.distributions: its argument validation reads the device each call) or
+    gumbel (argmax(log p - log E), E ~ Exp(1): exact, with no read; chapter 02)"""
+    env_backend: str = "numpy"
+    """numpy (observations to the device and actions back at every step) or torch (the envs'
+    state on the device: no copy either way; chapter 03)"""
+    fused_adam: bool = False
+    """Adam(fused=True): one kernel for every parameter (chapter 08)"""
 
 
 def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias: float = 0.0) -> nn.Module:
@@ -52,8 +64,9 @@ def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias: float = 0.0) -> 
 
 
 class Agent(nn.Module):
-    def __init__(self, obs_shape: tuple[int, ...], n_actions: int) -> None:
+    def __init__(self, obs_shape: tuple[int, ...], n_actions: int, gumbel: bool = False) -> None:
         super().__init__()
+        self.gumbel = gumbel
         c, v, _ = obs_shape
         self.body = nn.Sequential(
             layer_init(nn.Conv2d(c, 16, 3)), nn.ReLU(), layer_init(nn.Conv2d(16, 32, 3)),
@@ -66,19 +79,31 @@ class Agent(nn.Module):
 
     def get_action_and_value(self, x, action=None):
         h = self.body(x)
-        dist = torch.distributions.Categorical(logits=self.actor(h))
-        if action is None:
-            action = dist.sample()
-        return action, dist.log_prob(action), dist.entropy(), self.critic(h)
+        if not self.gumbel:
+            dist = torch.distributions.Categorical(logits=self.actor(h))
+            if action is None:
+                action = dist.sample()
+            return action, dist.log_prob(action), dist.entropy(), self.critic(h)
+        logp = self.actor(h).log_softmax(-1)
+        if action is None:  # Gumbel-max: the argmax of log p perturbed by -log E, E ~ Exp(1)
+            action = (logp - torch.empty_like(logp).exponential_().log()).argmax(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        return action, logp.gather(-1, action[:, None]).squeeze(-1), entropy, self.critic(h)
 
 
 def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    envs = gym.make_vec("labkit/Forage-v0", num_envs=args.num_envs)
+    if args.sampling not in ("categorical", "gumbel") or args.env_backend not in ("numpy",
+                                                                                 "torch"):
+        raise ValueError("sampling must be categorical or gumbel, env_backend numpy or torch")
+    on_device = args.env_backend == "torch"
+    envs = gym.make_vec("labkit/Forage-v0", num_envs=args.num_envs, backend=args.env_backend,
+                        **({"device": device} if on_device else {}))
     obs_shape = envs.single_observation_space.shape
-    agent = Agent(obs_shape, envs.single_action_space.n).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    agent = Agent(obs_shape, envs.single_action_space.n, args.sampling == "gumbel").to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5,
+                                 fused=args.fused_adam or None)
 
     T, N = args.num_steps, args.num_envs
     batch_size = T * N
@@ -94,6 +119,7 @@ def main(args: Args) -> dict:
     next_obs = torch.as_tensor(next_obs, device=device)
     next_done = torch.zeros(N, device=device)
     returns_seen: list[float] = []
+    finished = torch.zeros(2, device=device)  # on the device: sum and count of returns
     n_iterations = args.total_timesteps // batch_size
     start = time.time()
     for iteration in range(n_iterations):
@@ -103,11 +129,16 @@ def main(args: Args) -> dict:
             with torch.no_grad():
                 action, logprob, _, value = agent.get_action_and_value(next_obs)
             actions[t], logprobs[t], values[t] = action, logprob, value.flatten()
-            next_obs, reward, terminated, truncated, info = envs.step(action.cpu().numpy())
+            next_obs, reward, terminated, truncated, info = envs.step(
+                action if on_device else action.cpu().numpy())
             rewards[t] = torch.as_tensor(reward, device=device)
             next_obs = torch.as_tensor(next_obs, device=device)
             next_done = torch.as_tensor(terminated | truncated, device=device).float()
-            returns_seen += info["episode_return"][info["_episode_return"]].tolist()
+            if on_device:  # summed where they are: no read (chapter 07)
+                ended = info["_episode_return"]
+                finished += torch.stack([(info["episode_return"] * ended).sum(), ended.sum()])
+            else:
+                returns_seen += info["episode_return"][info["_episode_return"]].tolist()
 
         with torch.no_grad():  # GAE, CleanRL's convention (dones[t] came with obs[t])
             next_value = agent.get_value(next_obs).flatten()
@@ -145,6 +176,10 @@ def main(args: Args) -> dict:
                 loss.backward()
                 nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
                 optimizer.step()
+        if on_device:  # one read per iteration, for the line below
+            total, count = finished.tolist()
+            returns_seen += [total / count] * int(count) if count else []
+            finished.zero_()
         recent = returns_seen[-4 * N:]
         if recent:
             sps = (iteration + 1) * batch_size / (time.time() - start)

@@ -120,6 +120,13 @@ class WatchReport:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> WatchReport:
+        """The report ``to_dict`` (or ``--json``) wrote."""
+        data = dict(data, findings=[WatchFinding(**f) for f in data.get("findings", [])])
+        data["top_ops"] = [tuple(pair) for pair in data.get("top_ops", [])]
+        return cls(**data)
+
     def format(self, top: int = 12) -> str:
         its = self.iterations
         unit = f"per iteration ({its} marked)" if its else "in all (no iteration marked)"
