@@ -198,7 +198,8 @@ class watch:  # noqa: N801 - a context manager, used like torch's
             raise RuntimeError("labkit.watch blocks do not nest: end the outer one first, or "
                                "mark iterations of the outer one with step()")
         watch._active.append(self)
-        cuda = self.device is not None and self.device.type == "cuda"
+        # where there is CUDA, the syncs CUDA itself reports too (sync debug mode "warn")
+        cuda = torch.cuda.is_available() and (self.device is None or self.device.type == "cuda")
         try:
             self._meter = SyncMeter(call_sites=True, device=self.device,
                                     cuda_debug=cuda).__enter__()
