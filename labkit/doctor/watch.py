@@ -41,11 +41,14 @@ from ..measure.syncmeter import SyncMeter, call_site
 from .meters import Watch, _rss_mb, dynamo_state
 
 #: The chapter that teaches the fix of each finding's kind.
-CHAPTERS = {"device_read": "07_metrics_on_the_device (and 02 for sampling)",
+CHAPTERS = {"device_read": "07_metrics_on_the_device (and 02, 'Sampling an action without a "
+                          "sync')",
             "host_scalar_read": "08_fused_optimizers_and_amp",
-            "no_device": "03_tensors_on_the_device", "cpu_tensor": "03_tensors_on_the_device",
-            "host_to_device": "03_tensors_on_the_device", "from_data": "03_tensors_on_the_device",
-            "clone": "04_batch_everything",
+            "no_device": "03_tensors_on_the_device, 'Factories without device='",
+            "cpu_tensor": "03_tensors_on_the_device, 'Factories without device='",
+            "host_to_device": "03_tensors_on_the_device, 'Factories without device='",
+            "from_data": "03_tensors_on_the_device, 'Factories without device='",
+            "clone": "04_batch_everything, 'Clones: when a copy is needed, and when it is waste'",
             "graph_break": "06_compile_and_warm_up", "recompile": "06_compile_and_warm_up",
             "memory_growth": "10_the_regression_hunt", "ops": "04_batch_everything"}
 _SKIP_OPS = ("aten::view", "aten::_unsafe_view", "aten::detach", "aten::alias", "aten::t",
