@@ -258,3 +258,83 @@ def plot_runs(runs: list[str | Path], out: str | Path, oracle: float | None = No
         save_figure(axes[0].figure, out)
     plt.close(axes[0].figure)
     return out
+
+
+#: Colours of a trace's event categories (C0-C5 are the phases', as in :func:`phase_bars`).
+_TRACE_COLOURS = {"cpu_op": "C7", "user_annotation": "C8", "cuda_runtime": "C6",
+                  "kernel": "C9", "gpu_memcpy": "tab:brown", "gpu_memset": "tab:brown"}
+
+
+def trace_timeline(trace, ax=None, window: tuple[float, float] | None = None,
+                   title: str | None = None):
+    """A Chrome trace (its path, or its events from ``profiling.read_trace``) as a timeline,
+    for where no trace viewer is at hand: one row per thread (a GPU stream is a thread of its
+    own) with a box per top-level event (``profiling.top_level``), coloured by category and
+    named where it is wide enough, and a row of labkit's phases (``phase: <name>``) on top.
+    Milliseconds from the first phase's start (or the first event's); ``window`` (ms, ms)
+    zooms in."""
+    from matplotlib.patches import Patch
+
+    from ..measure.profiling import phase_spans, read_trace, top_level
+    from ..timing import PHASES
+
+    plt = _plt()
+    events = read_trace(trace) if isinstance(trace, (str, Path)) else trace
+    outer, phases = top_level(events), phase_spans(events)
+    t0 = phases[0][1] if phases else min(float(e["ts"]) for e in outer)
+    names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpu = {(e.get("pid"), e.get("tid")) for e in outer
+           if str(e.get("cat", "")).startswith(("kernel", "gpu_"))}
+    threads = sorted({(e.get("pid"), e.get("tid")) for e in outer},
+                     key=lambda t: (t in gpu, str(t)))  # the CPU's threads, then the streams
+    boxes = [((float(e["ts"]) - t0) / 1e3, float(e.get("dur", 0.0)) / 1e3, e) for e in outer]
+    spans = [(p, (s - t0) / 1e3, (end - s) / 1e3) for p, s, end in phases]
+    lo, hi = window or (min(x for x, _, _ in boxes), max(x + w for x, w, _ in boxes))
+    width = hi - lo
+
+    def shown(x: float, w: float) -> bool:
+        return x + w > lo and x < hi
+
+    def label(x: float, w: float, y: float, text: str) -> None:
+        left, right = max(x, lo), min(x + w, hi)  # the part inside the window
+        room = int(110 * (right - left) / width)  # characters that fit there, roughly
+        if room >= 4:
+            ax.text((left + right) / 2, y, text[:room], ha="center", va="center", fontsize=7,
+                    clip_on=True)
+
+    rows = (["phases"] if phases else []) + [names.get(t) or f"{t[0]} / {t[1]}" for t in threads]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.55 * len(rows) + 1.4))
+    for phase, x, w in spans:
+        if shown(x, w):
+            key = list(PHASES).index(phase) if phase in PHASES else 7
+            ax.broken_barh([(x, w)], (-0.4, 0.8), facecolors=f"C{key % 10}", edgecolors="white",
+                           linewidth=0.5)
+            label(x, w, 0, phase)
+    first = bool(phases)
+    for row, thread in enumerate(threads, start=first):
+        mine = [(x, w, e) for x, w, e in boxes if (e.get("pid"), e.get("tid")) == thread
+                and shown(x, w)]
+        by_cat: dict[str, list] = {}
+        for x, w, e in mine:
+            by_cat.setdefault(e.get("cat", "?"), []).append((x, w))
+        for cat, bars in sorted(by_cat.items()):
+            colour = _TRACE_COLOURS.get(cat, "0.5")
+            ax.broken_barh(bars, (row - 0.35, 0.7), facecolors=colour, edgecolors=colour,
+                           linewidth=0.3, label=cat)
+        for x, w, e in mine:
+            label(x, w, row, str(e.get("name", "")))
+    legend = dict(zip(*reversed(ax.get_legend_handles_labels())))  # one entry per category
+    for key, phase in enumerate(PHASES):
+        if any(p == phase and shown(x, w) for p, x, w in spans):
+            legend[f"phase: {phase}"] = Patch(color=f"C{key}")
+    ax.legend(legend.values(), legend.keys(), fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.0, 1.0))
+    ax.set_yticks(range(len(rows)), [textwrap.shorten(r, 28, placeholder="…") for r in rows])
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # the phases on top
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("ms from the first phase" if phases else "ms from the first event")
+    ax.set_title(title or "Trace timeline")
+    ax.figure.tight_layout()
+    return ax

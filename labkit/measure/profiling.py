@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import inspect
 import json
+import math
 import os
 import shutil
 import time
@@ -261,3 +262,79 @@ def _add_phase_ranges(raw: Path, path: Path, anchor_ns: int,
                        "args": {"labkit phase": phase}})
     with atomic_write(path) as f:
         json.dump(trace, f)
+
+
+# ------------------------------------------------------------------ reading a trace
+
+#: Events of a Chrome trace that are not work: the profiler's own span of the whole trace, and
+#: a ``record_function`` range drawn again on a GPU stream (from its first kernel to its last,
+#: idle gaps included).
+_NOT_WORK = ("Trace", "gpu_user_annotation")
+
+
+def read_trace(path: str | os.PathLike) -> list[dict]:
+    """The events of the Chrome trace at ``path`` (what ``export_chrome_trace`` and
+    ``python -m labkit profile`` write): a dict with ``traceEvents``, or a bare list. Each
+    event has a phase ``ph`` ("X": a complete event with ``ts`` and ``dur`` in microseconds
+    on the thread ``pid``/``tid``; "M": a name for a process or thread; "s"/"f": an arrow,
+    such as a CUDA launch to its kernel) and a category ``cat`` (``cpu_op``,
+    ``user_annotation``, ``cuda_runtime``, ``kernel``, ...)."""
+    trace = json.loads(Path(path).read_text())
+    return list(trace["traceEvents"] if isinstance(trace, dict) else trace)
+
+
+def phase_spans(events: list[dict]) -> list[tuple[str, float, float]]:
+    """labkit's phase ranges in a trace of :func:`trace_pipeline` (``phase: <name>``, the laps
+    of ``phase_ms``): (phase, start us, end us), in time order."""
+    spans = [(e["name"].removeprefix("phase: "), float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+             for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("phase: ")]
+    return sorted(spans, key=lambda s: s[1])
+
+
+def top_level(events: list[dict]) -> list[dict]:
+    """The complete events that no other event on their thread contains: what a thread was
+    doing, moment by moment, with the calls inside each left out (an ``aten::linear``, not the
+    ``aten::addmm`` it calls). labkit's phase ranges and the profiler's own span are not
+    events of the work and are left out; on a GPU each stream is a thread of its own."""
+    work = [e for e in events if e.get("ph") == "X" and e.get("cat") not in _NOT_WORK
+            and not str(e.get("name", "")).startswith("phase: ")]
+    work.sort(key=lambda e: (str(e.get("pid")), str(e.get("tid")), float(e["ts"]),
+                             -float(e.get("dur", 0.0))))
+    outer, end, thread = [], -math.inf, None
+    for e in work:
+        where = (e.get("pid"), e.get("tid"))
+        if where != thread:
+            thread, end = where, -math.inf
+        start = float(e["ts"])
+        if start >= end:  # not inside the last outer event of this thread
+            outer.append(e)
+            end = start + float(e.get("dur", 0.0))
+    return outer
+
+
+def bytes_moved(fn: Callable[[], object]) -> int:
+    """The bytes one call of ``fn`` reads and writes if every op fetches its tensor arguments
+    from memory and writes its results back: the sizes of each non-view aten op's tensor
+    inputs and outputs, each tensor once per op. The traffic of ops that share nothing through
+    a cache; a matmul that re-reads tiles moves more, a fused kernel less. Compare it with a
+    measured bandwidth to ask whether a step is memory-bound."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    moved = 0
+
+    class _Bytes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal moved
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                seen = {}
+                for t in tree_leaves((args, kwargs or {}, out)):
+                    if isinstance(t, torch.Tensor):
+                        seen[id(t)] = t.numel() * t.element_size()
+                moved += sum(seen.values())
+            return out
+
+    with _Bytes():
+        fn()
+    return moved
