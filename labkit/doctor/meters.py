@@ -40,6 +40,19 @@ _LAYERS = {"torch.conv2d": "convolution", "torch.nn.functional.conv2d": "convolu
 
 
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_NAMES: dict = {}
+
+
+def _name(func: Any) -> str:
+    """``resolve_name(func)``, once per function (torch's wraps each call in a warnings filter:
+    ~10 us, paid per op while a watch is on otherwise)."""
+    try:
+        return _NAMES[func]
+    except KeyError:
+        _NAMES[func] = name = resolve_name(func) or ""
+        return name
+    except TypeError:  # not hashable
+        return resolve_name(func) or ""
 
 
 class Watch(TorchFunctionMode):
@@ -58,7 +71,7 @@ class Watch(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        name = resolve_name(func) or ""
+        name = _name(func)
         if name in _FACTORIES:
             self._factory(name, args, kwargs, out)
         elif name in _MOVES and self.cuda:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..measure import hostflow
 from ..measure.syncmeter import SyncMeter, call_site
 from .meters import Watch, _rss_mb, dynamo_state
 
@@ -51,6 +52,7 @@ CHAPTERS = {"device_read": "07_metrics_on_the_device (and 02, 'Sampling an actio
             "clone": "04_batch_everything, 'Clones: when a copy is needed, and when it is waste'",
             "graph_break": "06_compile_and_warm_up", "recompile": "06_compile_and_warm_up",
             "memory_growth": "10_the_regression_hunt", "ops": "04_batch_everything"}
+_OP_NAMES: dict = {}
 _SKIP_OPS = ("aten::view", "aten::_unsafe_view", "aten::detach", "aten::alias", "aten::t",
              "aten::transpose", "aten::expand", "aten::unsqueeze", "aten::squeeze",
              "aten::select", "aten::slice", "aten::permute", "aten::as_strided")
@@ -71,14 +73,29 @@ class _OpCount(TorchDispatchMode):
         self.from_data: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = f"aten::{func._overloadpacket.__name__}"
+        self.observe(func)
+        return func(*args, **(kwargs or {}))
+
+    def observe(self, func) -> None:
+        """Count one op (as a mode of its own, or told by the sync meter's host flow)."""
+        name = _OP_NAMES.get(func) or _OP_NAMES.setdefault(
+            func, f"aten::{func._overloadpacket.__name__}")
         if name not in _SKIP_OPS:
             self.ops[name] += 1
         if name in ("aten::lift_fresh", "aten::lift_fresh_copy"):
             site = call_site()
             if " via " not in site:  # made inside torch's own code: not the code's choice
                 self.from_data[site] += 1
-        return func(*args, **(kwargs or {}))
+
+
+class _Observing:
+    """An op count told each op by a host flow; leaving it stops the telling."""
+
+    def __init__(self, flow: Any, count: _OpCount) -> None:
+        self.flow, self.count = flow, count
+
+    def __exit__(self, *exc: Any) -> None:
+        self.flow.observers.remove(self.count.observe)
 
 
 @dataclass
@@ -209,8 +226,13 @@ class watch:  # noqa: N801 - a context manager, used like torch's
             self._stack.append(self._meter)
             self._watch = Watch(self.device or torch.device("cpu")).__enter__()
             self._stack.append(self._watch)
-            self._opcount = _OpCount().__enter__()
-            self._stack.append(self._opcount)
+            self._opcount = _OpCount()
+            flow = hostflow.current()
+            if flow is not None:  # told each op by the meter's flow: no second dispatch mode
+                flow.observers.append(self._opcount.observe)
+                self._stack.append(_Observing(flow, self._opcount))
+            else:
+                self._stack.append(self._opcount.__enter__())
         except BaseException:
             self._close(None, None, None)
             raise
@@ -245,9 +267,10 @@ class watch:  # noqa: N801 - a context manager, used like torch's
         elif isinstance(meter, Watch):
             for kind, sites in meter.counts.items():
                 self.calls.setdefault(kind, Counter()).update(sites)
-        elif isinstance(meter, _OpCount):
-            self.ops.update(meter.ops)
-            self.calls.setdefault("from_data", Counter()).update(meter.from_data)
+        elif isinstance(meter, (_OpCount, _Observing)):
+            count = meter if isinstance(meter, _OpCount) else meter.count
+            self.ops.update(count.ops)
+            self.calls.setdefault("from_data", Counter()).update(count.from_data)
 
     def step(self) -> None:
         """One iteration ends: count it and take the memory snapshot."""

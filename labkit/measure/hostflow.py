@@ -177,6 +177,9 @@ class HostFlow(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
+        #: callables given each op (``func``) as it runs: another meter's count, without a
+        #: dispatch mode of its own (each mode costs a trip through torch's Python per op)
+        self.observers: list = []
         self._host: dict[int, weakref.ref] = {}
         self._copies: dict[int, weakref.ref] = {}  # host copies that are the tensor itself
 
@@ -248,6 +251,8 @@ class HostFlow(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        for observe in self.observers:
+            observe(func)
         inputs = _tensors(args, _tensors(kwargs.values(), []))
         name = func._schema.name
         if not inputs or name in _LIFTS:
