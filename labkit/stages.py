@@ -117,7 +117,7 @@ class Stage:
     the slot's whole interface:
 
     * ``env(n_envs=, spec=, seed=, device=, env_offset=)``,
-      ``model(view=, value_head=, body=)``,
+      ``model(view=, value_head=)`` (and ``body=`` where the run's model is not "conv"),
       ``collector(env=, n_steps=, act=, metrics=, device=, clock=)`` (its ``accepts`` names
       the envs it can step), ``logger(target=)``, ``metrics(device=)``: classes;
     * ``optimizer``: an :class:`OptimizerComponent`, ``optimizer(params=, cfg=, device=)``,
@@ -336,8 +336,11 @@ class Pipeline:
         self.ppo = cfg.ppo
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
+            # body= only for another body than the conv net: a model class of the reader's
+            # (or a plant) that takes (view, value_head) keeps working
+            body = {"body": cfg.model} if cfg.model != "conv" else {}
             self.agent = stage.model(view=cfg.spec.view, value_head=cfg.value_head,
-                                     body=cfg.model).to(device)
+                                     **body).to(device)
         self.group = group
         self.generator = torch.Generator(device).manual_seed(group.sampling_seed(cfg.seed))
         self.clock = PhaseClock(device)

@@ -83,7 +83,7 @@ class _OpCount(TorchDispatchMode):
         if name not in _SKIP_OPS:
             self.ops[name] += 1
         if name in ("aten::lift_fresh", "aten::lift_fresh_copy"):
-            site = call_site()
+            site = call_site(internal=(__file__, hostflow.__file__))
             if " via " not in site:  # made inside torch's own code: not the code's choice
                 self.from_data[site] += 1
 
