@@ -74,7 +74,7 @@ def test_one_exit_mapper_maps_every_way_a_command_ends(monkeypatch, capsys):
 
     import pytest
 
-    from labkit.app import cli
+    from labkit.app import cli, report
     from labkit.app.run import TrainingFailed
     from labkit.signals import Stop
 
@@ -83,7 +83,7 @@ def test_one_exit_mapper_maps_every_way_a_command_ends(monkeypatch, capsys):
             if isinstance(outcome, BaseException):
                 raise outcome
             return outcome
-        monkeypatch.setattr(cli, "cmd_report", command)
+        monkeypatch.setattr(report, "cmd_report", command)  # the command's flags live there
         monkeypatch.setattr(cli, "_silence_stdout", lambda: None)  # keep pytest's stdout
         code = cli.main(["report"])
         return code, capsys.readouterr().err.strip()

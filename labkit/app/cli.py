@@ -24,20 +24,9 @@ from .flags import (
     non_negative_int,
     path,
     positive_int,
-    run_id,
     stage,
     stage_flags,
-    stage_list,
 )
-
-
-def _device_and_profile(args: argparse.Namespace) -> tuple:
-    """The device, and the profile: the flag's, or the device's default."""
-    from ..config import default_profile
-    from ..device import resolve_device
-
-    device = resolve_device(args.device)
-    return device, args.profile or default_profile(device)
 
 
 def _planted(args: argparse.Namespace) -> tuple:
@@ -47,28 +36,6 @@ def _planted(args: argparse.Namespace) -> tuple:
 
     chosen = plant(args.stage, args.plant) if args.plant else args.stage
     return chosen, RunConfig(n_envs=args.n_envs, n_steps=args.n_steps)
-
-
-def cmd_bench_env(args: argparse.Namespace) -> int:
-    from ..device import resolve_device
-    from .ladder import bench_env
-
-    return bench_env(resolve_device(args.device), args.out, repeats=args.repeats,
-                     n_envs=args.n_envs, compiled=args.compiled, compile_loop=args.compile_loop)
-
-
-def cmd_ladder(args: argparse.Namespace) -> int:
-    from ..config import BenchConfig
-    from .ladder import ladder
-
-    device, profile = _device_and_profile(args)
-    overrides = {k: v for k, v in (("n_envs", args.n_envs), ("n_steps", args.n_steps),
-                                   ("iterations", args.iterations)) if v is not None}
-    if args.scaling_n_envs:
-        overrides["scaling_n_envs"] = tuple(args.scaling_n_envs)
-    return ladder(BenchConfig.from_profile(profile, **overrides), device, profile, args.out,
-                  stages=args.stages, scaling=not args.no_scaling, threads=args.threads,
-                  progress=not args.no_progress)
 
 
 TRAIN_OPTIONS = ("stage", "device", "n_envs", "n_steps", "total_steps", "seed", "value_head",
@@ -130,31 +97,6 @@ def cmd_plot_runs(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_record(args: argparse.Namespace) -> int:
-    from ..signals import Stop, signum_of, stop_signals
-    from .plan import format_plan, plan, select
-    from .record import record
-
-    device, profile = _device_and_profile(args)
-    todo = select(plan(profile, args.notebooks), args.parts)
-    if args.plan:
-        print(format_plan(todo, device, profile, args.out))
-        return 0
-    out = args.out
-    try:
-        with stop_signals():
-            seconds = record(device, profile, out, parts=args.parts, notebooks=args.notebooks,
-                             allow_dirty=args.allow_dirty, run=args.run,
-                             overwrite_gpu_notebooks=args.overwrite_gpu_notebooks)
-    except KeyboardInterrupt as stop:
-        signum = signum_of(stop)
-        raise Stop(signum, said=f"interrupted by {Stop(signum)}: every part listed above as "
-                                f"written is kept, and so is each ladder row measured (in "
-                                f"{out})") from None
-    print(f"recorded {', '.join(seconds)} in {sum(seconds.values()):.0f} s")
-    return 0
-
-
 def cmd_profile(args: argparse.Namespace) -> int:
     from ..config import RunConfig
     from ..device import resolve_device
@@ -192,73 +134,12 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def cmd_watch(args: argparse.Namespace) -> int:
-    """The script's exit code, after the report."""
-    from .watch import watch_script
-
-    report, code = watch_script(args.target, args.args, module=args.module,
-                                function=args.function)
-    sys.stdout.flush()
-    print(report.to_json() if args.json else report.format())
-    return code
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    from .report import write_report
-
-    for written in write_report(args.results):
-        print(f"wrote {written}")
-    return 0
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line ``error: ...`` (exit 2), like every other."""
 
     def error(self, message: str):
         self.exit(2, f"error: {self.prog.removeprefix('python -m labkit ')}: "
                      f"{_one_line(message)}\n")
-
-
-def _add_bench_env(sub) -> None:
-    p = sub.add_parser("bench-env", help="time each Forage implementation")
-    device_flag(p)
-    p.add_argument("--repeats", type=int_at_least(1, 1000), default=5,
-                   help="rounds, each timing one episode of every implementation in turn "
-                        "(default: %(default)s)")
-    p.add_argument("--n-envs", type=positive_int, nargs="+", default=None,
-                   help="N of the vectorized implementations, the same for each (default: "
-                        "256 1024 4096 on the CPU, 4096 65536 on CUDA)")
-    p.add_argument("--compiled", action="store_true",
-                   help="also time torch.compile(ForageTorch.step), and a loop of "
-                        "--compile-loop steps compiled as one graph (minutes on a CPU)")
-    p.add_argument("--compile-loop", type=positive_int, default=4,
-                   help="steps in the compiled loop; 1 leaves that row out; it must divide "
-                        "the episode length and 16, the warmup steps (default: %(default)s)")
-    p.add_argument("--out", type=path, default="results", help="folder for the JSON")
-    p.set_defaults(func=cmd_bench_env)
-
-
-def _add_ladder(sub) -> None:
-    p = sub.add_parser("ladder", help="run every stage, print the table, write JSON + PNG")
-    device_flag(p)
-    p.add_argument("--profile", choices=("quick", "full"), default=None,
-                   help="default: full on CUDA, quick otherwise")
-    p.add_argument("--stages", type=stage_list, default=None,
-                   help="comma-separated stage indices or names (default: all)")
-    from ..config import BenchConfig, RunConfig
-
-    profile = "default: the profile's"
-    field_flag(p, RunConfig, "n_envs", positive_int, default_note=profile)
-    field_flag(p, RunConfig, "n_steps", positive_int, default_note=profile)
-    field_flag(p, BenchConfig, "iterations", int_at_least(2), default_note=profile)
-    field_flag(p, BenchConfig, "scaling_n_envs", positive_int, nargs="+", default_note=profile)
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch intra-op threads on the CPU (default: the cores no other "
-                        "process is running on; see labkit.measure.noise)")
-    p.add_argument("--no-scaling", action="store_true", help="skip the scaling sweep")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--out", type=path, default="results", help="folder for JSON and PNG")
-    p.set_defaults(func=cmd_ladder)
 
 
 def _add_train(sub) -> None:
@@ -290,38 +171,6 @@ def _add_train(sub) -> None:
                         "(one host read per check; LABKIT_DEBUG=1 does the same)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
-
-
-def _add_record(sub) -> None:
-    p = sub.add_parser("record", help="re-record results and notebooks on this machine")
-    device_flag(p)
-    p.add_argument("--profile", choices=("quick", "full", "tiny"), default=None,
-                   help="default: full on CUDA, quick otherwise (tiny: seconds, for tests)")
-    p.add_argument("--part", "--parts", dest="parts", default="all",
-                   help="comma-separated parts (ladder-3, scaling-1024, notebook-08, ...: see "
-                        "--plan) or groups (ladder, scaling, bench_env, learning, notebooks, "
-                        "report); default: all")
-    p.add_argument("--plan", action="store_true",
-                   help="print the parts with their estimated minutes and commands that fit "
-                        "in 9 minutes each; run nothing")
-    p.add_argument("--run", type=run_id, default=None, metavar="ID",
-                   help="the run these parts belong to: several commands on one machine at "
-                        "one commit with the same ID count as one run, whose rows' ratios "
-                        "compare (default: a new run)")
-    p.add_argument("--notebooks", default="[0-9]*.ipynb",
-                   help="glob of the notebooks to execute in notebooks/ ('none': none)")
-    p.add_argument("--allow-dirty", action="store_true",
-                   help="record although the code is modified (commit marked -dirty)")
-    p.add_argument("--overwrite-gpu-notebooks", action="store_true",
-                   help="on a CPU, also re-execute notebooks last recorded on a GPU")
-    p.add_argument("--out", type=path, default="results", help="results folder")
-    p.set_defaults(func=cmd_record)
-
-
-def _add_report(sub) -> None:
-    p = sub.add_parser("report", help="write results/RESULTS.md and the README's results")
-    p.add_argument("--results", type=path, default="results", help="results folder")
-    p.set_defaults(func=cmd_report)
 
 
 def _add_profile(sub) -> None:
@@ -374,26 +223,6 @@ def _add_rehearse(sub) -> None:
     p.set_defaults(func=cmd_rehearse)
 
 
-def _add_watch(sub) -> None:
-    p = sub.add_parser(
-        "watch", help="run your own script under labkit's meters and report what they saw",
-        description="Run a script (or -m module) under labkit.watch, like python -m cProfile: "
-                    "host reads (device reads, a sync each on a GPU, apart from host-scalar "
-                    "reads), factories without device=, copies, clones, ops, compiles and "
-                    "memory, each at its file:line with the chapter that teaches the fix. "
-                    "The report is printed when the script ends, raises or is stopped; the "
-                    "exit code is the script's.")
-    p.add_argument("--function", default=None, metavar="NAME",
-                   help="a function (name or Class.method) whose every call is one iteration; "
-                        "only its calls are watched (default: the whole script, in totals)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("-m", dest="module", action="store_true",
-                   help="TARGET is a module, run as python -m TARGET")
-    p.add_argument("target", metavar="TARGET", help="the script (or module, with -m)")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
-    p.set_defaults(func=cmd_watch)
-
-
 def _add_plot_runs(sub) -> None:
     p = sub.add_parser("plot-runs", help="learning curves of train runs (steps and wall time)")
     p.add_argument("runs", type=path, nargs="+", help="train --out folders")
@@ -407,15 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m labkit", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_bench_env(sub)
-    _add_ladder(sub)
+    from . import ladder, record, report, watch
+
+    ladder.add_parsers(sub)  # each command's flags beside its work: bench-env and ladder
     _add_train(sub)
-    _add_record(sub)
-    _add_report(sub)
+    record.add_parser(sub)
+    report.add_parser(sub)
     _add_profile(sub)
     _add_doctor(sub)
     _add_rehearse(sub)
-    _add_watch(sub)
+    watch.add_parser(sub)
     _add_plot_runs(sub)
     return parser
 

@@ -134,3 +134,12 @@ def check_environment() -> None:
     current()
     check_environment()
     commit_from_env()
+
+
+def device_and_profile(args: argparse.Namespace) -> tuple:
+    """The device, and the profile: the flag's, or the device's default."""
+    from ..config import default_profile
+    from ..device import resolve_device
+
+    device = resolve_device(args.device)
+    return device, args.profile or default_profile(device)

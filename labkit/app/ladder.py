@@ -9,6 +9,7 @@ prints it and exits 128 + the signal. ``record``'s ladder parts write their figu
 """
 from __future__ import annotations
 
+import argparse
 import signal
 from pathlib import Path
 
@@ -17,6 +18,15 @@ import torch
 from ..config import BenchConfig
 from ..files import OutputError, check_output_dir, write_json
 from ..signals import Stop, signals_deferred, stop_signals
+from .flags import (
+    device_and_profile,
+    device_flag,
+    field_flag,
+    int_at_least,
+    path,
+    positive_int,
+    stage_list,
+)
 
 
 def _free_file(path: Path) -> Path:
@@ -115,3 +125,76 @@ def bench_env(device: torch.device, out: str | Path, *, repeats: int,
                                                  f"{result['repeats']} round(s) that finished")
     _stopped_while_writing(late)
     return 0
+
+
+# ------------------------------------------------------------------ the commands
+
+
+def cmd_bench_env(args: argparse.Namespace) -> int:
+    from ..device import resolve_device
+
+    return bench_env(resolve_device(args.device), args.out, repeats=args.repeats,
+                     n_envs=args.n_envs, compiled=args.compiled, compile_loop=args.compile_loop)
+
+
+def cmd_ladder(args: argparse.Namespace) -> int:
+    from ..config import BenchConfig
+
+    device, profile = device_and_profile(args)
+    overrides = {k: v for k, v in (("n_envs", args.n_envs), ("n_steps", args.n_steps),
+                                   ("iterations", args.iterations)) if v is not None}
+    if args.scaling_n_envs:
+        overrides["scaling_n_envs"] = tuple(args.scaling_n_envs)
+    return ladder(BenchConfig.from_profile(profile, **overrides), device, profile, args.out,
+                  stages=args.stages, scaling=not args.no_scaling, threads=args.threads,
+                  progress=not args.no_progress)
+
+
+def _add_bench_env(sub) -> None:
+    p = sub.add_parser("bench-env", help="time each Forage implementation")
+    device_flag(p)
+    p.add_argument("--repeats", type=int_at_least(1, 1000), default=5,
+                   help="rounds, each timing one episode of every implementation in turn "
+                        "(default: %(default)s)")
+    p.add_argument("--n-envs", type=positive_int, nargs="+", default=None,
+                   help="N of the vectorized implementations, the same for each (default: "
+                        "256 1024 4096 on the CPU, 4096 65536 on CUDA)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time torch.compile(ForageTorch.step), and a loop of "
+                        "--compile-loop steps compiled as one graph (minutes on a CPU)")
+    p.add_argument("--compile-loop", type=positive_int, default=4,
+                   help="steps in the compiled loop; 1 leaves that row out; it must divide "
+                        "the episode length and 16, the warmup steps (default: %(default)s)")
+    p.add_argument("--out", type=path, default="results", help="folder for the JSON")
+    p.set_defaults(func=cmd_bench_env)
+
+
+def _add_ladder(sub) -> None:
+    p = sub.add_parser("ladder", help="run every stage, print the table, write JSON + PNG")
+    device_flag(p)
+    p.add_argument("--profile", choices=("quick", "full"), default=None,
+                   help="default: full on CUDA, quick otherwise")
+    p.add_argument("--stages", type=stage_list, default=None,
+                   help="comma-separated stage indices or names (default: all)")
+    from ..config import BenchConfig, RunConfig
+
+    profile = "default: the profile's"
+    field_flag(p, RunConfig, "n_envs", positive_int, default_note=profile)
+    field_flag(p, RunConfig, "n_steps", positive_int, default_note=profile)
+    field_flag(p, BenchConfig, "iterations", int_at_least(2), default_note=profile)
+    field_flag(p, BenchConfig, "scaling_n_envs", positive_int, nargs="+", default_note=profile)
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch intra-op threads on the CPU (default: the cores no other "
+                        "process is running on; see labkit.measure.noise)")
+    p.add_argument("--no-scaling", action="store_true", help="skip the scaling sweep")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--out", type=path, default="results", help="folder for JSON and PNG")
+    p.set_defaults(func=cmd_ladder)
+
+
+
+
+def add_parsers(sub) -> None:
+    """``bench-env`` and ``ladder``, each with its flags."""
+    _add_bench_env(sub)
+    _add_ladder(sub)

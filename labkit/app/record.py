@@ -37,6 +37,7 @@ notebooks last recorded on a GPU as they are.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import subprocess
@@ -49,6 +50,7 @@ import torch
 
 from ..device import git_commit, run_metadata
 from ..files import atomic_write, check_output_dir, save_figure, write_json
+from .flags import device_and_profile, device_flag, path, run_id
 from .plan import LEARNING, Part, plan, select
 from .report import write_report
 from .results import (
@@ -366,3 +368,58 @@ def _rel(path: Path) -> str:
         return str(Path(path).resolve().relative_to(ROOT))
     except ValueError:
         return str(path)
+
+
+# ------------------------------------------------------------------ the command
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from ..signals import Stop, signum_of, stop_signals
+    from .plan import format_plan, plan, select
+
+    device, profile = device_and_profile(args)
+    todo = select(plan(profile, args.notebooks), args.parts)
+    if args.plan:
+        print(format_plan(todo, device, profile, args.out))
+        return 0
+    out = args.out
+    try:
+        with stop_signals():
+            seconds = record(device, profile, out, parts=args.parts, notebooks=args.notebooks,
+                             allow_dirty=args.allow_dirty, run=args.run,
+                             overwrite_gpu_notebooks=args.overwrite_gpu_notebooks)
+    except KeyboardInterrupt as stop:
+        signum = signum_of(stop)
+        raise Stop(signum, said=f"interrupted by {Stop(signum)}: every part listed above as "
+                                f"written is kept, and so is each ladder row measured (in "
+                                f"{out})") from None
+    print(f"recorded {', '.join(seconds)} in {sum(seconds.values()):.0f} s")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("record", help="re-record results and notebooks on this machine")
+    device_flag(p)
+    p.add_argument("--profile", choices=("quick", "full", "tiny"), default=None,
+                   help="default: full on CUDA, quick otherwise (tiny: seconds, for tests)")
+    p.add_argument("--part", "--parts", dest="parts", default="all",
+                   help="comma-separated parts (ladder-3, scaling-1024, notebook-08, ...: see "
+                        "--plan) or groups (ladder, scaling, bench_env, learning, notebooks, "
+                        "report); default: all")
+    p.add_argument("--plan", action="store_true",
+                   help="print the parts with their estimated minutes and commands that fit "
+                        "in 9 minutes each; run nothing")
+    p.add_argument("--run", type=run_id, default=None, metavar="ID",
+                   help="the run these parts belong to: several commands on one machine at "
+                        "one commit with the same ID count as one run, whose rows' ratios "
+                        "compare (default: a new run)")
+    p.add_argument("--notebooks", default="[0-9]*.ipynb",
+                   help="glob of the notebooks to execute in notebooks/ ('none': none)")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="record although the code is modified (commit marked -dirty)")
+    p.add_argument("--overwrite-gpu-notebooks", action="store_true",
+                   help="on a CPU, also re-execute notebooks last recorded on a GPU")
+    p.add_argument("--out", type=path, default="results", help="results folder")
+    p.set_defaults(func=cmd_record)
+
+

@@ -453,20 +453,3 @@ def _remove_stale_temporaries(out: Path) -> None:
         for tmp in out.glob(f".{name}.*.tmp"):
             tmp.unlink(missing_ok=True)
 
-
-def device_type(cfg: TrainConfig | None, out: Path, resume: bool) -> str:
-    """The type of device a torchrun run trains on, known before any rank talks to another
-    (the process group's backend depends on it): from ``cfg``, or for ``resume`` from the
-    run's config.json (every rank sees the folder). Where that cannot be read, "auto"'s
-    choice; rank 0's door then reports what is wrong with the folder."""
-    device = cfg.device if cfg is not None else "auto"
-    if cfg is None and resume:
-        try:
-            saved = json.loads((out / CONFIG).read_text(encoding="utf-8")).get("device")
-            device = saved if parse_device(saved) is not None else device
-        except (OSError, ValueError, TypeError, AttributeError):
-            pass
-    try:
-        return resolve_device(device).type
-    except ValueError:  # CUDA named but absent: the door says so in one line
-        return "cpu"

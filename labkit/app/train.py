@@ -14,6 +14,7 @@ the stage's workload (what the ladder times), not the training record.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from .. import debug
+from ..device import parse_device, resolve_device
 from ..distributed import SINGLE, Group, current, join, leave, parameter_checksum
 from ..files import FolderLock, describe_os_error
 from ..logging import AsyncLogger, SyncLogger, TensorBoardSink, quiet_thread_os_errors
@@ -41,7 +43,6 @@ from .run import (
     TrainConfig,
     TrainingFailed,
     TrainingInterrupted,
-    device_type,
     open_run,
 )
 
@@ -52,6 +53,24 @@ __all__ = ["NewFolder", "TrainConfig", "TrainingFailed", "TrainingInterrupted",
 UPDATE_KEYS = ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac", "grad_norm")
 #: ``final_mean_return`` is the episode-weighted mean over this many last iterations.
 FINAL_WINDOW = 5
+
+
+def device_type(cfg: TrainConfig | None, out: Path, resume: bool) -> str:
+    """The type of device a torchrun run trains on, known before any rank talks to another
+    (the process group's backend depends on it): from ``cfg``, or for ``resume`` from the
+    run's config.json (every rank sees the folder). Where that cannot be read, "auto"'s
+    choice; rank 0's door then reports what is wrong with the folder."""
+    device = cfg.device if cfg is not None else "auto"
+    if cfg is None and resume:
+        try:
+            saved = json.loads((out / CONFIG).read_text(encoding="utf-8")).get("device")
+            device = saved if parse_device(saved) is not None else device
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+    try:
+        return resolve_device(device).type
+    except ValueError:  # CUDA named but absent: the door says so in one line
+        return "cpu"
 
 
 def build_pipeline(cfg: TrainConfig, device: torch.device, group: Group = SINGLE) -> Pipeline:

@@ -6,6 +6,7 @@ as one iteration, and only inside it; without it the whole script is watched, in
 exit code is the script's."""
 from __future__ import annotations
 
+import argparse
 import os
 import runpy
 import sys
@@ -106,3 +107,38 @@ def watch_script(target: str, args: list[str], *, module: bool = False,
                                    "functions, each call of any one an iteration: "
                                    + "; ".join(hook.seen.values()))
     return report, code
+
+
+# ------------------------------------------------------------------ the command
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """The script's exit code, after the report."""
+
+    report, code = watch_script(args.target, args.args, module=args.module,
+                                function=args.function)
+    sys.stdout.flush()
+    print(report.to_json() if args.json else report.format())
+    return code
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "watch", help="run your own script under labkit's meters and report what they saw",
+        description="Run a script (or -m module) under labkit.watch, like python -m cProfile: "
+                    "host reads (device reads, a sync each on a GPU, apart from host-scalar "
+                    "reads), factories without device=, copies, clones, ops, compiles and "
+                    "memory, each at its file:line with the chapter that teaches the fix. "
+                    "The report is printed when the script ends, raises or is stopped; the "
+                    "exit code is the script's.")
+    p.add_argument("--function", default=None, metavar="NAME",
+                   help="a function (name or Class.method) whose every call is one iteration; "
+                        "only its calls are watched (default: the whole script, in totals)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("-m", dest="module", action="store_true",
+                   help="TARGET is a module, run as python -m TARGET")
+    p.add_argument("target", metavar="TARGET", help="the script (or module, with -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    p.set_defaults(func=cmd_watch)
+
+
