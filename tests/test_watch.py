@@ -183,7 +183,6 @@ CLEANRL_FINDINGS = {
       for name, var in (("value_loss", "v_loss"), ("policy_loss", "pg_loss"),
                         ("entropy", "entropy_loss"), ("old_approx_kl", "old_approx_kl"),
                         ("approx_kl", "approx_kl"))),
-    ("no_device", "rewards[step] = torch.tensor(reward).to(device).view(-1)"),
     ("from_data", "rewards[step] = torch.tensor(reward).to(device).view(-1)"),
     ("from_data", "next_obs = torch.Tensor(next_obs).to(device)"),
     ("from_data", "next_obs, next_done = torch.Tensor(next_obs).to(device), "

@@ -11,8 +11,9 @@
 While a block runs, the meters the chapters use count, by the first line outside torch (the
 reader's ``file:line``, or a library's): host reads of tensor data, device reads (a sync on a
 GPU) apart from host-scalar reads, with :class:`labkit.measure.syncmeter.SyncMeter`'s data-flow
-classification on the CPU; tensor factories that name no device, host-to-device copies and
-clones (:class:`labkit.doctor.meters.Watch`); aten ops by kind; dynamo's new graphs, graph
+classification on the CPU; and, told each op by that meter's data flow (no second meter of its
+own), factories that made a host tensor, tensors made from Python or NumPy data, clones,
+host-to-device copies and aten ops by kind; dynamo's new graphs, graph
 breaks and recompiles; memory at each ``step()`` (RSS, and allocated and reserved on CUDA), and
 the Python containers whose tensor count grew. ``report()`` divides by the iterations marked.
 
@@ -39,14 +40,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..measure import hostflow
 from ..measure.syncmeter import SyncMeter, call_site
-from .meters import Watch, _rss_mb, dynamo_state
+from .meters import _rss_mb, dynamo_state
 
 #: The chapter that teaches the fix of each finding's kind.
 CHAPTERS = {"device_read": "07_metrics_on_the_device (and 02, 'Sampling an action without a "
                           "sync')",
             "host_scalar_read": "08_fused_optimizers_and_amp",
             "no_device": "03_tensors_on_the_device, 'Factories without device='",
-            "cpu_tensor": "03_tensors_on_the_device, 'Factories without device='",
             "host_to_device": "03_tensors_on_the_device, 'Factories without device='",
             "from_data": "03_tensors_on_the_device, 'Factories without device='",
             "clone": "04_batch_everything, 'Clones: when a copy is needed, and when it is waste'",
@@ -59,9 +59,12 @@ _SKIP_OPS = ("aten::view", "aten::_unsafe_view", "aten::detach", "aten::alias", 
 
 
 class _OpCount(TorchDispatchMode):
-    """aten ops by name (views left out: no kernel), and by call site the tensors made from
-    Python or NumPy data (``torch.tensor``, ``torch.Tensor(array)``, ``as_tensor`` of a list:
-    torch's ``lift_fresh``), a host-to-device copy each where the tensor then goes to a GPU."""
+    """aten ops by name (views left out: no kernel) and, by call site, what the code made or
+    moved: tensors made from Python or NumPy data (``torch.tensor``, ``torch.Tensor(array)``:
+    torch's ``lift_fresh``), factories that made a host tensor (no ``device=``, or the CPU
+    named), clones, and host-to-device copies. Told each op by the sync meter's host flow (it
+    knows which factories were born on the host), or a dispatch mode of its own where there
+    is no flow (a watch with ``device="cuda"``: a CPU tensor is then a host tensor)."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -70,22 +73,42 @@ class _OpCount(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
-        self.from_data: Counter[str] = Counter()
+        self.calls: dict[str, Counter] = {kind: Counter() for kind in (
+            "from_data", "no_device", "clone", "host_to_device")}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.observe(func)
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        made = not any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
+        born = made and isinstance(out, torch.Tensor) and out.device.type == "cpu"
+        self.observe(func, args, kwargs, out, born if made else None)
+        return out
 
-    def observe(self, func) -> None:
-        """Count one op (as a mode of its own, or told by the sync meter's host flow)."""
+    def observe(self, func, args=(), kwargs=None, out=None, born=None) -> None:
         name = _OP_NAMES.get(func) or _OP_NAMES.setdefault(
             func, f"aten::{func._overloadpacket.__name__}")
         if name not in _SKIP_OPS:
             self.ops[name] += 1
         if name in ("aten::lift_fresh", "aten::lift_fresh_copy"):
-            site = call_site(internal=(__file__, hostflow.__file__))
-            if " via " not in site:  # made inside torch's own code: not the code's choice
-                self.from_data[site] += 1
+            kind = "from_data"
+        elif born:
+            kind = "no_device"
+        elif name == "aten::clone":
+            kind = "clone"
+        elif name in ("aten::_to_copy", "aten::copy_") and _to_device(name, args, out):
+            kind = "host_to_device"
+        else:
+            return
+        site = call_site(internal=(__file__, hostflow.__file__))
+        if " via " not in site:  # made inside torch's own code: not the code's choice
+            self.calls[kind][site] += 1
+
+
+def _to_device(name: str, args: tuple, out: Any) -> bool:
+    """A copy from host memory to an accelerator's."""
+    src, dst = (args[1], args[0]) if name == "aten::copy_" else (args[0], out)
+    return (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)
+            and src.device.type == "cpu" and dst.device.type != "cpu")
 
 
 class _Observing:
@@ -224,8 +247,6 @@ class watch:  # noqa: N801 - a context manager, used like torch's
             self._meter = SyncMeter(call_sites=True, device=self.device,
                                     cuda_debug=cuda).__enter__()
             self._stack.append(self._meter)
-            self._watch = Watch(self.device or torch.device("cpu")).__enter__()
-            self._stack.append(self._watch)
             self._opcount = _OpCount()
             flow = hostflow.current()
             if flow is not None:  # told each op by the meter's flow: no second dispatch mode
@@ -264,13 +285,11 @@ class watch:  # noqa: N801 - a context manager, used like torch's
             self.device_site_reads.update(meter.device_sites or {})
             if meter._cuda_debug:
                 self.cuda_syncs = (self.cuda_syncs or 0) + meter.cuda_syncs
-        elif isinstance(meter, Watch):
-            for kind, sites in meter.counts.items():
-                self.calls.setdefault(kind, Counter()).update(sites)
         elif isinstance(meter, (_OpCount, _Observing)):
             count = meter if isinstance(meter, _OpCount) else meter.count
             self.ops.update(count.ops)
-            self.calls.setdefault("from_data", Counter()).update(count.from_data)
+            for kind, sites in count.calls.items():
+                self.calls.setdefault(kind, Counter()).update(sites)
 
     def step(self) -> None:
         """One iteration ends: count it and take the memory snapshot."""
@@ -314,8 +333,7 @@ class watch:  # noqa: N801 - a context manager, used like torch's
             r.findings.append(WatchFinding("host_scalar_read", site, n, per(n),
                                            CHAPTERS["host_scalar_read"],
                                            "a CPU tensor: Python time, no wait for the GPU"))
-        notes = {"no_device": "a factory that names no device",
-                 "cpu_tensor": "a tensor made on the CPU in a CUDA run",
+        notes = {"no_device": "a factory that names no device (or the CPU): a host tensor",
                  "host_to_device": "a host-to-device copy", "clone": "a clone: a full copy",
                  "from_data": "a tensor made from Python or NumPy data (a host-to-device copy "
                               "each where it then goes to a GPU)"}

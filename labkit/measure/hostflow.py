@@ -177,7 +177,9 @@ class HostFlow(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        #: callables given each op (``func``) as it runs: another meter's count, without a
+        #: callables told each op as it runs, ``observe(func, args, kwargs, out, born)``, where
+        #: ``born`` says whether a tensor the op made from nothing (a factory, or Python/NumPy
+        #: data) is a host tensor (None for other ops): another meter's count, without a
         #: dispatch mode of its own (each mode costs a trip through torch's Python per op)
         self.observers: list = []
         self._host: dict[int, weakref.ref] = {}
@@ -251,12 +253,11 @@ class HostFlow(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        for observe in self.observers:
-            observe(func)
         inputs = _tensors(args, _tensors(kwargs.values(), []))
         name = func._schema.name
+        born = None
         if not inputs or name in _LIFTS:
-            host = self._born_on_host()
+            host = born = self._born_on_host()
         elif name == "aten::copy_" and self._held(args[0]):
             host = True  # a copy into a host tensor: host data (a D2H copy on a GPU)
         else:
@@ -273,6 +274,8 @@ class HostFlow(TorchDispatchMode):
         if host and not written:
             for t in _tensors(out if isinstance(out, (list, tuple)) else (out,), []):
                 self.add_host(t)
+        for observe in self.observers:
+            observe(func, args, kwargs, out, born)
         return out
 
 
