@@ -74,6 +74,17 @@ def test_counts_per_iteration_at_the_readers_lines():
     assert "fix: chapter 07" in r.format() and json.loads(r.to_json())["iterations"] == 3
 
 
+def test_without_the_data_flow_its_own_op_count_sees_the_same_findings():
+    """``watch(device="cuda")`` skips the sync meter's data flow (a CPU tensor is then a host
+    tensor), so the op count runs as a dispatch mode of its own: same ops and findings."""
+    with watch(device="cuda") as w:
+        _loop(w, iterations=2)
+    r = w.report()
+    assert r.device_reads == 0 and r.host_scalar_reads == 2  # CPU tensors in a "CUDA" run
+    assert r.ops > 0 and {(f.kind, f.per_iteration) for f in r.findings} == {
+        ("host_scalar_read", 1), ("no_device", 1)}
+
+
 def test_a_growing_container_is_named():
     history: list = []
     with watch() as w:

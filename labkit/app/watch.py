@@ -114,7 +114,6 @@ def watch_script(target: str, args: list[str], *, module: bool = False,
 
 def cmd_watch(args: argparse.Namespace) -> int:
     """The script's exit code, after the report."""
-
     report, code = watch_script(args.target, args.args, module=args.module,
                                 function=args.function)
     sys.stdout.flush()

@@ -51,7 +51,7 @@ CHAPTERS = {"device_read": "07_metrics_on_the_device (and 02, 'Sampling an actio
             "from_data": "03_tensors_on_the_device, 'Factories without device='",
             "clone": "04_batch_everything, 'Clones: when a copy is needed, and when it is waste'",
             "graph_break": "06_compile_and_warm_up", "recompile": "06_compile_and_warm_up",
-            "memory_growth": "10_the_regression_hunt", "ops": "04_batch_everything"}
+            "memory_growth": "10_the_regression_hunt"}
 _OP_NAMES: dict = {}
 _SKIP_OPS = ("aten::view", "aten::_unsafe_view", "aten::detach", "aten::alias", "aten::t",
              "aten::transpose", "aten::expand", "aten::unsqueeze", "aten::squeeze",
