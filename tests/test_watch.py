@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import linecache
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 from labkit.app.cli import main
 from labkit.doctor.watch import watch
 from labkit.measure import syncmeter
+from labkit.measure.kernels import generated_launches
 
 ROOT = Path(__file__).resolve().parents[1]
 CLEANRL = ROOT / "tests" / "thirdparty" / "cleanrl_ppo.py"
@@ -95,11 +98,16 @@ def test_a_growing_container_is_named():
 
 
 def test_nothing_stays_patched_also_when_the_block_raises():
+    from torch._inductor.output_code import CompiledFxGraph
+
     methods = {name: getattr(torch.Tensor, name) for name in (*syncmeter._READS, "to", "copy_")}
+    graph_call = CompiledFxGraph.__call__
     with pytest.raises(ZeroDivisionError), watch() as w:
+        assert CompiledFxGraph.__call__ is not graph_call  # counting compiled kernels
         torch.ones(2).sum().item()
         raise ZeroDivisionError
     assert {name: getattr(torch.Tensor, name) for name in methods} == methods
+    assert CompiledFxGraph.__call__ is graph_call
     assert not watch._active and w.report().host_scalar_reads + w.report().device_reads == 1
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -135,6 +143,93 @@ def test_graph_breaks_and_recompiles_of_a_compiled_function():
     r = w.report()
     assert sum(r.graph_breaks.values()) >= 1 and r.new_graphs >= 2
     assert any(f.kind == "graph_break" for f in r.findings)
+
+
+def _compile_then_watch(fn, arguments, recompile_limit=8):
+    """Watch one call of compiled ``fn`` per iteration, one argument each."""
+    with torch._dynamo.config.patch(recompile_limit=recompile_limit), watch() as w:
+        for argument in arguments:
+            fn(argument)
+            w.step()
+    return w.report()
+
+
+@pytest.mark.slow
+def test_a_function_that_keeps_recompiling_and_then_falls_back_to_eager():
+    """A Python number changing each call fails a guard each time: new graphs after warm-up,
+    until the recompile limit, after which dynamo runs it eagerly and says nothing more."""
+    scale = torch.ones(4)
+
+    @torch.compile(dynamic=False)
+    def scaled(k):
+        return scale * k + 1
+
+    r = _compile_then_watch(scaled, [float(k) for k in range(8)], recompile_limit=4)
+    kinds = {f.kind: f for f in r.findings}
+    assert {"graph_growth", "recompile_limit"} <= set(kinds)
+    # graphs 1-4 in iterations 1-4: two of them after the two warm-up iterations
+    assert kinds["graph_growth"].total == 2 and "k == " in kinds["graph_growth"].note
+    assert kinds["recompile_limit"].where.endswith("(scaled)")
+    assert _source(kinds["graph_growth"].where).startswith("@torch.compile")
+
+
+@pytest.mark.slow
+def test_a_function_that_stops_recompiling_is_no_growth():
+    """A new shape in the second call makes one more graph (a dynamic one): no growth."""
+    @torch.compile
+    def doubled(x):
+        return x * 2
+
+    r = _compile_then_watch(doubled, [torch.ones(n) for n in (3, 4, 5, 6, 7)])
+    assert not [f for f in r.findings if f.kind in ("graph_growth", "recompile_limit")]
+    assert [f.kind for f in r.findings if f.kind == "recompile"] == ["recompile"]
+
+
+@pytest.mark.slow
+def test_the_kernels_a_compiled_region_generates_are_counted_as_the_profiler_sees_them():
+    """Counted from the generated wrapper's source, checked against the profiler's events of
+    the same kernels (inductor's cpp kernels record themselves when asked to)."""
+    import torch._inductor.config as inductor_config
+    from torch.profiler import profile
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                              torch.nn.Linear(8 * 6 * 6, 5))
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        @torch.compile
+        def loss(x):
+            return torch.log_softmax(net(x), -1).square().mean()
+
+        loss(torch.randn(4, 3, 8, 8)).backward()
+        with profile() as prof, watch() as w:
+            for _ in range(3):
+                loss(torch.randn(4, 3, 8, 8)).backward()
+                w.step()
+    seen = Counter(re.sub(r"^graph_\d+_|_\d+$", "", e.name) for e in prof.events()
+                   if re.match(r"graph_\d+_cpp_fused", e.name))
+    counted = {k.removeprefix("inductor::"): n for k, n in w.ops.items()
+               if k.startswith("inductor::")}
+    assert seen and counted == dict(seen)
+    r = w.report()
+    assert r.ops == sum(w.ops.values()) and r.ops / 3 > sum(counted.values()) / 3 >= 4
+
+
+def test_the_generated_kernels_of_a_gpu_wrapper_are_read_too():
+    """A wrapper inductor writes for a GPU (its shape, by hand: no GPU here): triton kernels
+    launched with ``.run``, their own ``def`` inside the source string not counted."""
+    source = (
+        "triton_poi_fused_relu_0 = async_compile.triton('triton_poi_fused_relu_0', '''\n"
+        "def triton_poi_fused_relu_0(in_ptr0, out_ptr0, xnumel, XBLOCK):\n    pass\n''')\n"
+        "triton_red_fused_sum_1 = async_compile.triton('triton_red_fused_sum_1', '''\n"
+        "def triton_red_fused_sum_1(in_ptr0):\n    pass\n''')\n"
+        "class Runner:\n    def call(self, args):\n"
+        "        # triton_poi_fused_relu_0(buf0) in a comment\n"
+        "        extern_kernels.mm(arg0_1, arg1_1, out=buf0)\n"
+        "        triton_poi_fused_relu_0.run(buf0, buf1, 256, stream=stream0)\n"
+        "        triton_red_fused_sum_1.run(buf1, stream=stream0)\n"
+        "        triton_poi_fused_relu_0.run(buf2, buf3, 256, stream=stream0)\n")
+    assert generated_launches(source) == ("triton_poi_fused_relu_0", "triton_red_fused_sum_1",
+                                          "triton_poi_fused_relu_0")
+    assert generated_launches("def call(args):\n    return args\n") == ()
 
 
 # ---------------------------------------------------------------- the command

@@ -13,21 +13,30 @@ reader's ``file:line``, or a library's): host reads of tensor data, device reads
 GPU) apart from host-scalar reads, with :class:`labkit.measure.syncmeter.SyncMeter`'s data-flow
 classification on the CPU; and, told each op by that meter's data flow (no second meter of its
 own), factories that made a host tensor, tensors made from Python or NumPy data, clones,
-host-to-device copies and aten ops by kind; dynamo's new graphs, graph
-breaks and recompiles; memory at each ``step()`` (RSS, and allocated and reserved on CUDA), and
-the Python containers whose tensor count grew. ``report()`` divides by the iterations marked.
+host-to-device copies and aten ops by kind, with the kernels compiled regions generate
+(:mod:`labkit.measure.kernels`; an aten count sees only what they call out to); dynamo's new
+graphs, graph breaks and recompiles, a compiled function that keeps making graphs after two
+warm-up iterations, and one that reached its recompile limit (it then runs eagerly, silently);
+memory at each ``step()`` (RSS, and allocated and reserved on CUDA), and the Python containers
+whose tensor count grew. ``report()`` divides by the iterations marked.
 
 A ``watch`` may be entered again (the counts add up) and used as a decorator, each call one
-iteration. Nothing stays patched after a block, also when it raises (the sync meter's tensor
-methods are the one documented patch while active). Not seen: the kernels a compiled region
-generates (only the ops it calls out to), work in other processes (a ``SubprocVecEnv``'s
-workers) and other threads' reads (a logger thread is off the hot path by design).
+iteration. Nothing stays patched after a block, also when it raises: while it runs, the sync
+meter's tensor methods and ``CompiledFxGraph.__call__`` (to count a compiled graph's kernels)
+are the documented patches. Not seen: work in other processes (a ``SubprocVecEnv``'s workers)
+and other threads' reads (a logger thread is off the hot path by design).
+
+Overhead: every op passes through torch's Python dispatch once (the data flow), which costs
+some microseconds an op whatever the op's size: small ops suffer most (see ``watch_overhead``
+in ``scripts/``, and the README's figures).
 """
 from __future__ import annotations
 
 import functools
 import gc
 import json
+import logging
+import re
 import sys
 import time
 from collections import Counter, deque
@@ -39,7 +48,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..measure import hostflow
-from ..measure.syncmeter import SyncMeter, call_site
+from ..measure.kernels import compiled_kernels
+from ..measure.syncmeter import SyncMeter, call_site, short_path
 from .meters import _rss_mb, dynamo_state
 
 #: The chapter that teaches the fix of each finding's kind.
@@ -51,8 +61,11 @@ CHAPTERS = {"device_read": "07_metrics_on_the_device (and 02, 'Sampling an actio
             "from_data": "03_tensors_on_the_device, 'Factories without device='",
             "clone": "04_batch_everything, 'Clones: when a copy is needed, and when it is waste'",
             "graph_break": "06_compile_and_warm_up", "recompile": "06_compile_and_warm_up",
+            "graph_growth": "06_compile_and_warm_up", "recompile_limit": "06_compile_and_warm_up",
             "memory_growth": "10_the_regression_hunt"}
-_OP_NAMES: dict = {}
+_OBSERVED: dict[int, tuple] = {}  # id(op) -> (name, counted, what it may make or move)
+_SPECIAL = {"aten::lift_fresh": "from_data", "aten::lift_fresh_copy": "from_data",
+            "aten::clone": "clone", "aten::_to_copy": "copy", "aten::copy_": "copy"}
 _SKIP_OPS = ("aten::view", "aten::_unsafe_view", "aten::detach", "aten::alias", "aten::t",
              "aten::transpose", "aten::expand", "aten::unsqueeze", "aten::squeeze",
              "aten::select", "aten::slice", "aten::permute", "aten::as_strided")
@@ -68,7 +81,7 @@ class _OpCount(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        return True  # compiled code stays compiled (its kernels go uncounted: module docstring)
+        return True  # compiled code stays compiled (its kernels: labkit.measure.kernels)
 
     def __init__(self) -> None:
         super().__init__()
@@ -85,17 +98,20 @@ class _OpCount(TorchDispatchMode):
         return out
 
     def observe(self, func, args=(), kwargs=None, out=None, born=None) -> None:
-        name = _OP_NAMES.get(func) or _OP_NAMES.setdefault(
-            func, f"aten::{func._overloadpacket.__name__}")
-        if name not in _SKIP_OPS:
+        info = _OBSERVED.get(id(func))
+        if info is None:  # by id: an op overload's hash is Python code, and this runs per op
+            name = f"aten::{func._overloadpacket.__name__}"
+            info = _OBSERVED[id(func)] = (name, name not in _SKIP_OPS, _SPECIAL.get(name))
+        name, counted, special = info
+        if counted:
             self.ops[name] += 1
-        if name in ("aten::lift_fresh", "aten::lift_fresh_copy"):
-            kind = "from_data"
+        if special == "from_data":
+            kind = special
         elif born:
             kind = "no_device"
-        elif name == "aten::clone":
-            kind = "clone"
-        elif name in ("aten::_to_copy", "aten::copy_") and _to_device(name, args, out):
+        elif special == "clone":
+            kind = special
+        elif special == "copy" and _to_device(name, args, out):
             kind = "host_to_device"
         else:
             return
@@ -199,7 +215,7 @@ class WatchReport:
         if shown:
             lines.append("findings (most first):")
         for f in shown:
-            n = f"{f.per_iteration:g}" if f.per_iteration is not None else f"{f.total}"
+            n = f"{f.per_iteration:.4g}" if f.per_iteration is not None else f"{f.total}"
             lines.append(f"  {f.kind:<17} {n:>6} at {f.where}")
             lines.append(f"  {'':<17} {'':>6}   {f.note + '; ' if f.note else ''}fix: chapter "
                          f"{f.chapter}")
@@ -232,7 +248,11 @@ class watch:  # noqa: N801 - a context manager, used like torch's
         self._containers_at = 0
         self._graphs = 0
         self._breaks: Counter[str] = Counter()
-        self._recompiles = 0
+        self._recompiled: Counter[str] = Counter()  # function -> graphs after its first
+        self._reasons: dict[str, str] = {}  # function -> the last guard that failed
+        self._entries: dict | None = None  # code -> its graphs, at the last step()
+        self._growth: dict[str, list] = {}  # function -> [graphs, iterations]
+        self._limits: dict[str, str] = {}  # function -> last reason, recompile limit reached
         self._stack: list[Any] = []
 
     # ------------------------------------------------------------------ the block
@@ -254,10 +274,13 @@ class watch:  # noqa: N801 - a context manager, used like torch's
                 self._stack.append(_Observing(flow, self._opcount))
             else:
                 self._stack.append(self._opcount.__enter__())
+            self._stack.append(compiled_kernels().__enter__())
+            self._stack.append(_LimitSeen(self._limits))
         except BaseException:
             self._close(None, None, None)
             raise
         self._dynamo = dynamo_state()
+        self._at_enter = _graph_counts()
         self._start = time.perf_counter()
         return self
 
@@ -266,7 +289,11 @@ class watch:  # noqa: N801 - a context manager, used like torch's
         graphs, breaks, reasons = dynamo_state()
         self._graphs += graphs - self._dynamo[0]
         self._breaks += breaks - self._dynamo[1]
-        self._recompiles += sum(n - self._dynamo[2].get(code, 0) for code, n in reasons.items())
+        for code, n in _graph_counts().items():
+            more = n - max(1, self._at_enter.get(code, 0))
+            if more > 0:
+                self._recompiled[_function(code)] += more
+                self._reasons[_function(code)] = _reason(code)
         self._close(*exc)
 
     def _close(self, *exc: Any) -> None:
@@ -290,6 +317,8 @@ class watch:  # noqa: N801 - a context manager, used like torch's
             self.ops.update(count.ops)
             for kind, sites in count.calls.items():
                 self.calls.setdefault(kind, Counter()).update(sites)
+        elif isinstance(meter, compiled_kernels):  # what compiled regions generated
+            self.ops.update({f"inductor::{k}": n for k, n in meter.counts.items()})
 
     def step(self) -> None:
         """One iteration ends: count it and take the memory snapshot."""
@@ -302,6 +331,21 @@ class watch:  # noqa: N801 - a context manager, used like torch's
         if self.iterations == 2:  # after a warm-up iteration: the containers to follow
             self._containers = _tensor_containers()
             self._containers_at = 2
+        self._graphs_grew()
+
+    def _graphs_grew(self) -> None:
+        """After the two warm-up iterations, the compiled functions that made new graphs
+        (a guard that failed: a Python number, a shape, an object that changes each time)."""
+        entries = _graph_counts()
+        if self._entries is not None and self.iterations > 2:
+            for code, n in entries.items():
+                if n > self._entries.get(code, 0):
+                    entry = self._growth.setdefault(_function(code), [0, 0])
+                    entry[0] += n - self._entries.get(code, 0)
+                    entry[1] += 1
+                    self._reasons[_function(code)] = _reason(code)
+        if self.iterations >= 2:
+            self._entries = entries
 
     def __call__(self, fn: Callable) -> Callable:
         """Decorate ``fn``: each call is watched, and is one iteration."""
@@ -320,7 +364,7 @@ class watch:  # noqa: N801 - a context manager, used like torch's
         r = WatchReport(iterations=self.iterations, seconds=self.seconds,
                         cuda_syncs=self.cuda_syncs, memory=list(self.memory),
                         new_graphs=self._graphs, graph_breaks=dict(self._breaks),
-                        recompiles=self._recompiles)
+                        recompiles=sum(self._recompiled.values()))
         r.device_reads = sum(self.device_site_reads.values())
         r.host_scalar_reads = sum(self.reads.values()) - r.device_reads
         r.ops = sum(self.ops.values())
@@ -343,10 +387,23 @@ class watch:  # noqa: N801 - a context manager, used like torch's
         for reason, n in self._breaks.items():
             r.findings.append(WatchFinding("graph_break", reason[:200], n, per(n),
                                            CHAPTERS["graph_break"], "dynamo's reason"))
-        if self._recompiles:
-            r.findings.append(WatchFinding("recompile", "compiled functions", self._recompiles,
-                                           per(self._recompiles), CHAPTERS["recompile"],
-                                           "guard failures (a new graph each)"))
+        growing = {where: entry for where, entry in self._growth.items()
+                   if entry[1] >= 2 or where in self._limits}  # keeps growing, or stopped
+        for where, n in self._recompiled.items():
+            if where not in growing:
+                r.findings.append(WatchFinding("recompile", where, n, per(n),
+                                               CHAPTERS["recompile"], "a new graph each; last "
+                                               f"guard that failed: {self._reasons[where]}"))
+        for where, (graphs, its) in growing.items():
+            r.findings.append(WatchFinding(
+                "graph_growth", where, graphs, graphs / (self.iterations - 2),
+                CHAPTERS["graph_growth"], f"new graphs in {its} of the {self.iterations - 2}"
+                f" iterations after warm-up; last guard that failed: {self._reasons[where]}"))
+        for where, reason in self._limits.items():
+            r.findings.append(WatchFinding(
+                "recompile_limit", where, 1, None, CHAPTERS["recompile_limit"],
+                "torch._dynamo.config.recompile_limit reached: it runs eagerly from then on, "
+                f"silently; last guard that failed: {_first_line(reason)}"))
         later = self.iterations - self._containers_at
         if self._containers is not None and later > 0:  # one scan more, at the report
             for key, (obj, n) in _tensor_containers(objects=True).items():
@@ -358,9 +415,57 @@ class watch:  # noqa: N801 - a context manager, used like torch's
                         f"tensors it gained since iteration {self._containers_at}"))
         if not self.iterations:
             r.notes.append("no iteration was marked (step(), or --function): counts are totals")
-        r.notes.append("not seen: kernels inside compiled regions (only the ops they call out "
-                       "to), other processes (SubprocVecEnv workers), other threads' reads")
+        r.notes.append("not seen: other processes (SubprocVecEnv workers), other threads' "
+                       "reads")
         return r
+
+
+class _LimitSeen(logging.Handler):
+    """While a watch runs, dynamo's warning that a function reached its recompile limit (from
+    then on it runs eagerly, with nothing else said): function -> the last guard that failed."""
+
+    def __init__(self, seen: dict[str, str]) -> None:
+        super().__init__(logging.WARNING)
+        self.seen = seen
+        self.logger = logging.getLogger("torch._dynamo.convert_frame")
+        self.logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "torch._dynamo hit config." not in str(record.msg):
+            return
+        args = record.args if isinstance(record.args, tuple) else ()
+        said = re.fullmatch(r"'(.*)' \((.*):(\d+)\)", str(args[2])) if len(args) > 3 else None
+        where = f"{short_path(said[2])}:{said[3]} ({said[1]})" if said else "a compiled function"
+        self.seen[where] = str(args[3]) if len(args) > 3 else record.getMessage()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.logger.removeHandler(self)
+
+
+def _graph_counts() -> dict:
+    """The graphs dynamo holds for each function that recompiled (a guard failed): code ->
+    its cache entries."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import guard_failures
+
+    return {code: len(_debug_get_cache_entry_list(code)) for code in list(guard_failures)}
+
+
+def _reason(code: Any) -> str:
+    from torch._dynamo.utils import guard_failures
+
+    reasons = guard_failures.get(code)
+    return _first_line(str(reasons[-1])) if reasons else ""
+
+
+def _first_line(reason: str) -> str:
+    """``0/3: k == 3.0   # def f(x, k): ...`` -> ``0/3: k == 3.0``."""
+    return reason.splitlines()[0].split("  #")[0].strip()[:160] if reason else ""
+
+
+def _function(code: Any) -> str:
+    """A code object as a call site names a function: ``file:line (name)``."""
+    return f"{short_path(code.co_filename)}:{code.co_firstlineno} ({code.co_name})"
 
 
 def _tensor_containers(objects: bool = False) -> dict[int, Any]:

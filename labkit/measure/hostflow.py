@@ -152,7 +152,7 @@ def _tensors(values, out: list) -> list:
     for v in values:
         if isinstance(v, torch.Tensor):
             out.append(v)
-        elif isinstance(v, (list, tuple)):
+        elif type(v) in (list, tuple):
             _tensors(v, out)
     return out
 
@@ -220,9 +220,6 @@ class HostFlow(TorchDispatchMode):
         self._host.pop(id(t), None)
         self._copies.pop(id(t), None)
 
-    def _held(self, t: torch.Tensor) -> bool:
-        return id(t) in self._host
-
     def is_host(self, t: torch.Tensor) -> bool:
         """Would ``t`` live on the CPU in a GPU run? (a read of it then waits for no GPU)."""
         if t.device.type != "cpu":
@@ -253,30 +250,49 @@ class HostFlow(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = _tensors(args, _tensors(kwargs.values(), []))
-        name = func._schema.name
+        # kept lean: every op of the metered code passes here (a few microseconds each)
+        name, pos, names, lift = _op_info(func)
+        inputs = _tensors(args, _tensors(kwargs.values(), []) if kwargs else [])
+        hosts = self._host
         born = None
-        if not inputs or name in _LIFTS:
+        if not inputs or lift:
             host = born = self._born_on_host()
-        elif name == "aten::copy_" and self._held(args[0]):
+        elif not hosts:
+            host = False
+        elif name == "aten::copy_" and id(args[0]) in hosts:
             host = True  # a copy into a host tensor: host data (a D2H copy on a GPU)
         else:
-            host = all(self._held(t) for t in inputs)
-        pos, names = _written(func)
-        written = [args[i] for i in pos if i < len(args) and isinstance(args[i], torch.Tensor)]
-        written += _tensors([kwargs[n] for n in names if n in kwargs], [])
-        for t in written:
-            self._copies.pop(id(t), None)
-            if host:
-                self.add_host(t)
-            else:
-                self._host.pop(id(t), None)
+            host = all(id(t) in hosts for t in inputs)
+        written = ()
+        if pos or names:
+            written = [args[i] for i in pos
+                       if i < len(args) and isinstance(args[i], torch.Tensor)]
+            written += _tensors([kwargs[n] for n in names if n in kwargs], [])
+            for t in written:
+                self._copies.pop(id(t), None)
+                if host:
+                    self.add_host(t)
+                else:
+                    hosts.pop(id(t), None)
         if host and not written:
             for t in _tensors(out if isinstance(out, (list, tuple)) else (out,), []):
                 self.add_host(t)
         for observe in self.observers:
             observe(func, args, kwargs, out, born)
         return out
+
+
+_INFO: dict[int, tuple] = {}  # id(op) -> _op_info (an op overload lives as long as torch)
+
+
+def _op_info(func) -> tuple[str, tuple, tuple, bool]:
+    """An op's schema name, the arguments it writes (:func:`_written`) and whether it wraps
+    fresh data (``lift_fresh``): looked up by ``id``, as an op's own hash is Python code."""
+    info = _INFO.get(id(func))
+    if info is None:
+        name = func._schema.name
+        info = _INFO[id(func)] = (name, *_written(func), name in _LIFTS)
+    return info
 
 
 _flows: dict[int, tuple[HostFlow, int]] = {}  # thread -> (its flow, how many users)
