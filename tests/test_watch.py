@@ -114,6 +114,19 @@ def test_nothing_stays_patched_also_when_the_block_raises():
     assert not _get_current_function_mode_stack() and not _get_current_dispatch_mode_stack()
 
 
+def test_one_dispatch_mode_sees_each_op_while_watching():
+    """The overhead's design: every op passes through torch's Python dispatch once (the sync
+    meter's data flow, which tells the op count), with no function mode: a second meter per
+    op would double the cost that ``scripts/watch_overhead.py`` measures."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    with watch():
+        modes = _get_current_dispatch_mode_stack()
+        functions = _get_current_function_mode_stack()
+    assert len(modes) == 1 and not functions, (modes, functions)
+
+
 def test_nested_watches_are_refused_clearly_and_a_decorator_counts_each_call():
     with watch(), pytest.raises(RuntimeError, match="do not nest"), watch():
         pass
