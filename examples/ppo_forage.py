@@ -6,7 +6,7 @@ Everything the cookbook builds up stage by stage, in one readable loop with no l
 * actions are sampled on the device (Gumbel-max, a seeded ``torch.Generator``);
 * rollout storage is preallocated and written at a device-side step counter;
 * GAE, then PPO with fused Adam (the LR a device tensor), a sync-free grad clip and bf16
-  autocast where the GPU has it; the policy and the loss are ``torch.compile``d;
+  autocast where the device has bf16; the policy and the loss are ``torch.compile``d;
 * on a bf16 CUDA GPU, the rollout step and the minibatch update are replayed as CUDA graphs;
 * episode statistics are summed on the device and read once per iteration (the loop's only
   host read).
@@ -28,6 +28,7 @@ import math
 import time
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -410,11 +411,16 @@ def resolve_device(name: str) -> torch.device:
 
 
 def has_bf16(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    """Native bf16 (else emulated, slower): sm 8.0+ GPUs, x86 AMX or AVX-512 BF16, Arm bf16."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    cpu, info = torch.cpu, Path("/proc/cpuinfo")
+    arm = info.exists() and "bf16" in info.read_text().split()
+    return cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported() or arm
 
 
-def uses_graphs(args: Args, device: torch.device) -> bool:
-    return args.cuda_graphs and has_bf16(device)  # the graphed update is built for bf16
+def uses_graphs(args: Args, device: torch.device) -> bool:  # the graphed update: bf16 GPUs
+    return args.cuda_graphs and device.type == "cuda" and has_bf16(device)
 
 
 def make_runner(args: Args) -> Runner:
@@ -440,10 +446,10 @@ def make_runner(args: Args) -> Runner:
 
 def make_steps(r: Runner):
     """The rollout step and the minibatch step as they run on ``r.device``: compiled, bf16
-    autocast where the GPU has it, replayed as CUDA graphs there; and a line saying which."""
+    autocast where the device has bf16, replayed as CUDA graphs on a GPU; a line saying which."""
     a, bf16, graphs = r.args, has_bf16(r.device), uses_graphs(r.args, r.device)
-    autocast = (partial(torch.autocast, "cuda", dtype=torch.bfloat16, cache_enabled=False)
-                if bf16 else contextlib.nullcontext)  # no bf16 GPU: fp32 (chapter 08: fp16)
+    autocast = (partial(torch.autocast, r.device.type, dtype=torch.bfloat16,
+                        cache_enabled=False) if bf16 else contextlib.nullcontext)  # or fp16
     policy = torch.compile(r.agent, fullgraph=True) if a.compile else r.agent
     loss_fn = partial(ppo_loss, r.agent, args=a)
     loss_fn = torch.compile(loss_fn, fullgraph=True) if a.compile else loss_fn

@@ -56,8 +56,40 @@ def device_name(device: torch.device) -> str:
 def has_bf16(device: torch.device) -> bool:
     """bf16 autocast worth using: a CUDA device with native bf16 (compute capability 8.0,
     Ampere, or newer; ``torch.cuda.is_bf16_supported()`` also says yes where bf16 is only
-    emulated). On the CPU, without AMX, bf16 matmuls are slower than fp32 for this model."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    emulated), or a CPU with bf16 instructions (:func:`cpu_bf16`)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cpu" and cpu_bf16() is not None
+
+
+#: What :func:`cpu_bf16` looks for, as the start line says it when none is there.
+CPU_BF16 = "AVX-512 BF16 or AMX on x86, bf16 on Arm"
+
+
+def cpu_bf16() -> str | None:
+    """The CPU's native bf16 instructions, by name (``"AMX"``, ``"AVX-512 BF16"``,
+    ``"Arm bf16"``), or None. oneDNN runs bf16 convolutions and matmuls on them, faster than
+    fp32 once the matmuls are big (this model's update at the ladder's minibatch of 4,096;
+    chapter 08 times both on the reader's CPU). Never
+    ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: it says yes on any AVX-512 core, where
+    bf16 is emulated; nor autocast merely running (it runs everywhere)."""
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX-512 BF16"
+    if platform.machine().lower() in ("aarch64", "arm64") and _arm_bf16():
+        return "Arm bf16"
+    return None
+
+
+def _arm_bf16() -> bool:
+    """An Arm core's bf16 extension (FEAT_BF16), as Linux lists it in /proc/cpuinfo (macOS is
+    not probed: fp32 there)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("Features") and "bf16" in line.split() for line in f)
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

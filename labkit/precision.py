@@ -20,7 +20,7 @@ from functools import partial
 import torch
 
 from . import debug
-from .device import has_bf16
+from .device import CPU_BF16, cpu_bf16, has_bf16
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -28,13 +28,15 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 class Precision:
     """fp32 or bf16 on one device type: the loss's forward under ``autocast()``, then a plain
-    backward and optimizer step. ``name`` is what results and reports print."""
+    backward and optimizer step. ``name`` is what results and reports print; ``why``, what
+    made a component choose it on this device (empty where nothing was chosen)."""
 
-    def __init__(self, name: str = "fp32", device_type: str = "cpu") -> None:
+    def __init__(self, name: str = "fp32", device_type: str = "cpu", why: str = "") -> None:
         if name not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {name!r}")
         self.name = name
         self.device_type = device_type
+        self.why = why
         # cache off: cached casts of the parameters would be stale across graph replays
         self._autocast = contextlib.nullcontext if name == "fp32" else partial(
             torch.autocast, device_type, dtype=_DTYPES[name], cache_enabled=False)
@@ -44,6 +46,10 @@ class Precision:
 
     def __str__(self) -> str:
         return self.name
+
+    def describe(self) -> str:
+        """``bf16 (this CPU has AMX)``: the name, and why where a component chose it."""
+        return f"{self.name} ({self.why})" if self.why else self.name
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context the loss's forward runs in."""
@@ -69,8 +75,8 @@ class ScaledPrecision(Precision):
     Non-finite gradients are expected here, so the debug checks leave them to the scaler."""
 
     def __init__(self, name: str = "fp16", device_type: str = "cuda",
-                 init_scale: float = 2.0**16) -> None:
-        super().__init__(name, device_type)
+                 init_scale: float = 2.0**16, why: str = "") -> None:
+        super().__init__(name, device_type, why)
         self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -99,22 +105,28 @@ class Fp32:
 
 @dataclass(frozen=True, repr=False)
 class Amp(Fp32):
-    """Mixed precision for the loss's forward: bf16 autocast where the GPU has it, fp16 with a
-    GradScaler on older GPUs, fp32 on the CPU, where bf16 matmuls without AMX are slower than
-    fp32 for this small model."""
+    """Mixed precision for the loss's forward: bf16 autocast where the device has bf16 (a GPU
+    of compute capability 8.0 or newer; a CPU with bf16 instructions, AVX-512 BF16 or AMX on
+    x86, bf16 on Arm: :func:`labkit.device.cpu_bf16`), fp16 with a GradScaler on older GPUs,
+    fp32 on a CPU without bf16 instructions (there bf16 is emulated). The choice and its reason
+    are in the precision's ``why``, which runs and ladder rows print."""
 
     def __call__(self, device: torch.device) -> Precision:
-        if device.type != "cuda":
-            return Precision("fp32", device.type)
+        if device.type == "cuda":
+            if has_bf16(device):
+                return Precision("bf16", "cuda", why="this GPU has bf16")
+            return ScaledPrecision("fp16", "cuda", why="this GPU has no bf16 (compute "
+                                                       "capability below 8.0)")
         if has_bf16(device):
-            return Precision("bf16", device.type)
-        return ScaledPrecision("fp16", device.type)
+            return Precision("bf16", device.type, why=f"this CPU has {cpu_bf16()}")
+        return Precision("fp32", device.type,
+                         why=f"this CPU has no bf16 instructions ({CPU_BF16})")
 
 
 @dataclass(frozen=True, repr=False)
 class Bf16(Fp32):
-    """bf16 autocast on any device, the CPU included (where it is slower than fp32 for this
-    model): to see what bf16 does to the numbers on a machine without a bf16 GPU."""
+    """bf16 autocast on any device, also one without bf16 instructions (there emulated, and
+    slower): to see what bf16 does to the numbers on any machine."""
 
     def __call__(self, device: torch.device) -> Precision:
         return Precision("bf16", device.type)

@@ -2,7 +2,7 @@
 
 * an **optimizer**: :class:`Adam` (torch's default, as most loops create it) or
   :class:`FusedAdam` (one fused kernel, the LR a device tensor, a sync-free grad clip);
-* a **precision** (``labkit.precision``): fp32, or bf16 autocast where the GPU has it;
+* a **precision** (``labkit.precision``): fp32, or bf16 autocast where the device has bf16;
 * an **executor** (``labkit.executors``): eager, compiled or replayed as a CUDA graph.
 
 :func:`build_update` assembles them into ``update(batch) -> stats``.

@@ -10,6 +10,7 @@ import torch
 import labkit
 from labkit.capture import tree_tensors, warmup
 from labkit.config import BenchConfig, RunConfig
+from labkit.device import has_bf16
 from labkit.envs import ForageSpec
 from labkit.measure.bench import measure_stage, run_ladder
 from labkit.measure.syncmeter import SyncMeter
@@ -286,16 +287,29 @@ def _update_result(index: int, batch, device: torch.device = CPU) -> list[torch.
         return [t.detach().clone() for t in p.agent.parameters()]
 
 
-def test_update_of_every_fp32_stage_matches_stage_0():
+@pytest.mark.parametrize("cpu_bf16", ["AMX", None], ids=["bf16-cpu", "no-bf16-cpu"])
+def test_update_of_every_stage_matches_stage_0(monkeypatch, cpu_bf16):
     """Same batch, same initial parameters -> same parameters after the update.
-    Eager stages agree to float32 rounding; compiled ones reorder float ops (rtol 1e-4)."""
+    Eager fp32 stages agree to float32 rounding; compiled ones reorder float ops (rtol 1e-4);
+    stage 7 runs bf16 on a CPU with bf16 instructions (labkit.device.cpu_bf16, forced both
+    ways here), and then meets the bf16 criterion (the update's direction and size:
+    labkit.precision.AGREEMENT)."""
+    monkeypatch.setattr(labkit.device, "cpu_bf16", lambda: cpu_bf16)
+    monkeypatch.setattr(labkit.precision, "cpu_bf16", lambda: cpu_bf16)
     with Pipeline(STAGES[3], RUN, CPU) as p:
         batch = p.rollout()
+        start = [t.detach().clone() for t in p.agent.parameters()]
     ref = _update_result(0, batch)
     for index in range(1, 8):
         with Pipeline(STAGES[index], RUN, CPU) as p:
-            assert p.precision.name == "fp32"  # AMP is off on the CPU
-        for a, b in zip(_update_result(index, batch), ref):
+            precision = p.precision.name
+        assert precision == ("bf16" if index == 7 and has_bf16(CPU) else "fp32"), index
+        after = _update_result(index, batch)
+        if precision == "bf16":
+            agreement = update_agreement(start, ref, after)
+            assert agrees(agreement) and agreement["relative_l2"] > 0, agreement
+            continue
+        for a, b in zip(after, ref):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -366,6 +380,32 @@ def test_phases_and_ceiling_are_measured():
     assert row["ceiling_sps"] > 0 and 0 < row["frac_of_ceiling"]
     assert row["marks_per_iter"] >= 3 * RUN.n_steps
     assert 0 <= row["marks_overhead"] < 0.05
+
+
+@pytest.mark.parametrize("cpu_bf16", ["AVX-512 BF16", None])
+def test_a_row_and_the_ladder_say_why_a_precision_was_chosen(monkeypatch, cpu_bf16):
+    """Stage 7's precision component chooses on the device and says why, in its ladder row;
+    the fp32 stages choose nothing. ``format_ladder`` prints each reason once, under the
+    table."""
+    from labkit.measure.bench import _build, format_ladder
+
+    monkeypatch.setattr(labkit.device, "cpu_bf16", lambda: cpu_bf16)
+    monkeypatch.setattr(labkit.precision, "cpu_bf16", lambda: cpu_bf16)
+    rows = []
+    for index in (4, 7):
+        row = {"stage": index, "name": STAGES[index].name, "status": "ok", "n_envs": 8,
+               "sps": 1.0, "ceiling_sps": 2.0}
+        with _build(STAGES[index], RUN, CPU, row):
+            rows.append(row)
+    assert "precision_why" not in rows[0] and rows[0]["precision"] == "fp32"
+    assert rows[1]["precision"] == ("bf16" if cpu_bf16 else "fp32")
+    assert rows[1]["precision_why"].startswith(
+        f"this CPU has {cpu_bf16}" if cpu_bf16 else "this CPU has no bf16 instructions")
+    meta = {"device_name": "a CPU", "device": "cpu", "torch": torch.__version__}
+    text = format_ladder({"meta": meta, "peak_flops": 1e9, "peak_dtype": "fp32",
+                          "ladder": rows + [{**rows[1], "stage": 8}]})
+    said = [line for line in text.splitlines() if line.startswith("precision ")]
+    assert said == [f"precision {rows[1]['precision']}: {rows[1]['precision_why']}"]
 
 
 def test_building_a_pipeline_leaves_the_readers_compiled_functions_alone():

@@ -70,7 +70,8 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"wrote {Path(out) / 'summary.json'} from its final checkpoint and metrics")
     else:
         print(f"trained {s['steps']:,} steps ({s['stage']} on {s['device']}, "
-              f"{s['threads']} CPU thread(s)) in {s['wall_s']:.0f} s: "
+              + (f"{s['precision']}, " if s.get("precision") else "")
+              + f"{s['threads']} CPU thread(s)) in {s['wall_s']:.0f} s: "
               f"final mean return {_num(s['final_mean_return'], '.2f')}, "
               f"{_num(s['steps_per_s'], ',.0f')} steps/s this session"
               + (f" over {s['world_size']} processes" if s["world_size"] > 1 else "")

@@ -339,6 +339,7 @@ class _Session:
         final_return, final_length = _final_means(self.recent)
         return {
             "stage": self.cfg.stage, "device": str(self.device),
+            "precision": self.pipe.precision.describe(),
             "threads": torch.get_num_threads(),
             "complete": end == self.cfg.n_iterations, "iterations": end, "steps": end * spi,
             "world_size": self.group.world,
@@ -391,7 +392,8 @@ def _run(run: Run, progress: bool, stop_after: int | None,
         steps = session.steps_per_iteration
         bar = resources.enter_context(tqdm(
             total=cfg.n_iterations * steps, initial=start * steps, unit="step",
-            unit_scale=True, desc=f"train {cfg.stage}", disable=not (progress and group.is_main)))
+            unit_scale=True, desc=f"train {cfg.stage} {pipe.precision}",
+            disable=not (progress and group.is_main)))
         session.t_start = time.perf_counter()
         try:
             for it in range(start, end):

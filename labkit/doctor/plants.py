@@ -252,8 +252,9 @@ class BranchyAgent(Agent):
 class AmpOff(Amp):
     """Mixed precision switched off: fp32 on a GPU that has bf16. In the journey report
     someone turned AMP off to dodge the GradScaler's sync, and the update ran 2x slower: fp32
-    moves twice the bytes of fp16. (On the CPU, labkit's ``amp`` is fp32 anyway, so this plant
-    needs CUDA.)"""
+    moves twice the bytes of fp16. (On a CPU without bf16 instructions labkit's ``amp`` is fp32
+    anyway; the plant keeps to CUDA, where the report measured it, so that what the doctor
+    finds does not depend on which CPU runs it.)"""
 
     requires: tuple[str, ...] = ("cuda",)
 

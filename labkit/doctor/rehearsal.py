@@ -330,7 +330,8 @@ class StageReport(Report):
                     f"graphs: {self.differs}")
         return (f"{head}: capturable; {self.graphs} graphs replayed {self.replays} times, "
                 "every rollout and update bit-identical to the stage without graphs (both "
-                "eager; on the CPU: no speed measured, fp32 where a GPU runs bf16)")
+                "eager; on the CPU: no speed measured, bf16 only where the CPU has bf16 "
+                "instructions)")
 
 
 def rehearse_stage(stage: Any, cfg: Any = None, iterations: int = 2) -> StageReport:

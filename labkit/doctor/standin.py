@@ -33,7 +33,8 @@ Compiled functions run eagerly inside (``torch.compiler.set_stance("force_eager"
 mode and ``fullgraph=True`` compiled code do not mix. So a rehearsed stage 8 equals stage 7 run
 eagerly bit for bit, and compiled stage 7 within the tolerance the tests state. Stages that need
 CUDA or bf16 are built on the CPU inside (``stages.assuming(REHEARSED)``): the rehearsal runs
-fp32 where a GPU runs bf16, and a ``capturable=True`` optimizer as on a GPU (torch's capture
+in the CPU's precision (bf16 where it has bf16 instructions, fp32 elsewhere, where a GPU runs
+bf16), and a ``capturable=True`` optimizer as on a GPU (torch's capture
 health check of ``step()`` and its list of capturable devices are stood in for).
 
 Host tensors are found by where a tensor comes from, not by its device (on the CPU every
@@ -655,8 +656,8 @@ class _Event:
 
 
 #: What a rehearsal stands in for, for a stage's ``requires``: a pipeline built inside one
-#: (``Pipeline(stage, cfg, "cpu", assume=REHEARSED)``) runs fp32 on the CPU where a GPU runs
-#: bf16 on CUDA.
+#: (``Pipeline(stage, cfg, "cpu", assume=REHEARSED)``) runs in the CPU's precision (fp32 on
+#: a CPU without bf16 instructions) where a GPU runs bf16 on CUDA.
 REHEARSED = ("cuda", "bf16")
 #: The rehearsals entered, innermost last.
 _ACTIVE: list[rehearsal] = []

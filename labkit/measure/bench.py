@@ -208,6 +208,8 @@ def _build(stage: Stage, run: RunConfig, device: torch.device, row: dict) -> Pip
     try:
         pipe = Pipeline(stage, run, device)
         row["precision"] = pipe.precision.name
+        if pipe.precision.why:  # a component chose it on this device: the reason, printed
+            row["precision_why"] = pipe.precision.why
         row["warmup_s"] = warmup(pipe)
         mem, row["mem_kind"] = _peak_memory(device)
         row["peak_mem_mb"] = mem - base / 2**20
@@ -457,6 +459,9 @@ def format_ladder(result: dict) -> str:
              f"device: {m['device_name']} ({m['device']}), torch {m['torch']}, "
              f"peak {result['peak_flops'] / 1e9:.1f} GFLOP/s ({result['peak_dtype']} matmul)"
              + (f", {threads['threads']} thread(s) ({threads['chosen_by']})" if threads else "")]
+    chosen = {(r["precision"], r["precision_why"]) for r in result["ladder"]
+              if r.get("precision_why")}
+    lines += [f"precision {name}: {why}" for name, why in sorted(chosen)]
     if result.get("interrupted"):
         lines.append(f"PARTIAL: interrupted by {result['interrupted']}; what is not listed did "
                      "not run")
