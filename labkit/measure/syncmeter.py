@@ -41,6 +41,7 @@ import warnings
 from collections import Counter
 
 import torch
+from torch import _guards
 
 from . import hostflow
 
@@ -174,9 +175,14 @@ def _once(fn):
 
 
 def _reading() -> bool:
-    """Inside a read already counted, or while dynamo traces (the read is then a graph break,
-    run and counted eagerly; tracing the meter itself would add breaks of its own)."""
-    return torch.compiler.is_compiling() or getattr(_inside, "depth", 0) > 0
+    """Inside a read already counted; while dynamo traces (the read is then a graph break,
+    run and counted eagerly; tracing the meter itself would add breaks of its own); or while
+    torch compiles, also a backward that AOT autograd compiles lazily at the first
+    ``backward()``, outside dynamo: inductor's own reads there (it rounds a bf16 scalar with
+    ``.item()``) are compile-time work, not the code's."""
+    return torch.compiler.is_compiling() or getattr(_inside, "depth", 0) > 0 \
+        or _guards.CompileContext.try_get() is not None \
+        or _guards.TracingContext.try_get() is not None
 
 
 def _wrap(name: str, fn):
