@@ -275,10 +275,10 @@ def test_one_row_model_renders_text_and_markdown_alike():
     skipped = {"stage": 8, "name": "cuda_graphs", "n_envs": 32, "status": "skipped: needs CUDA"}
     text = tables.LADDER.text([ok, skipped]).splitlines()
     md = tables.LADDER.markdown([ok, skipped]).splitlines()
-    # a row without a spread, a verdict or the device / host-scalar split (an older record):
-    # a dash where a figure was never measured, never 0
-    cells = ["3", "batched_ops", "32", "5,047", "-", "2.9", "-", "\u2014", "\u2014", "0.40",
-             "8,974", "56.2", "-", "fp32"]
+    # a row without a spread, a verdict, the device / host-scalar split or the kernel counts
+    # (an older record): a dash where a figure was never measured, never 0
+    cells = ["3", "batched_ops", "32", "5,047", "-", "2.9", "-", "\u2014", "\u2014", "\u2014",
+             "\u2014", "0.40", "8,974", "56.2", "-", "fp32"]
     assert text[2].split() == cells
     assert [c.strip() for c in md[2].strip("|").split("|")] == [*cells, ""]
     assert text[3].split() == ["8", "cuda_graphs", "32", "skipped:", "needs", "CUDA"]

@@ -439,6 +439,12 @@ def test_ladder_twice_does_not_grow_memory():
     second = proc.memory_info().rss
     assert second - first < 64 * 2**20, (first, second)
     assert all(r["status"] == "ok" for r in result["ladder"])
+    # the kernels a GPU would launch per minibatch step, compiled regions' own included: the
+    # compiled loss (stage 6 against 4) and the fused Adam (7 against 6) each remove some
+    per_mb = {r["stage"]: r["kernels_per_minibatch"] for r in result["ladder"]}
+    assert per_mb[4] > per_mb[6] > per_mb[7] > 0, per_mb
+    assert any(k.startswith("inductor::") for k in result["ladder"][-1]["kernels_top"]["update"])
+    assert all(r["kernels_per_step"] > 0 for r in result["ladder"])
     assert [r["n_envs"] for r in result["scaling"]] == [8] * 4 + [16] * 4  # N by N
 
 

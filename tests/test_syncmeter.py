@@ -347,3 +347,21 @@ def test_inductors_own_reads_while_it_compiles_a_backward_lazily_are_not_counted
         loss(torch.randn(4, 8)).backward()  # compiles the forward, then the backward
         loss(torch.randn(4, 8)).sum().item()  # the code's own read: counted
     assert m.host_reads == 1 and all("lowering" not in site for site in m.sites), m.sites
+
+
+@pytest.mark.slow
+def test_a_compiled_region_launches_its_generated_kernels_not_zero():
+    """An aten-level count sees only what compiled code calls out to; the launch count adds
+    the kernels inductor generated (here one fused kernel for four elementwise ops and a sum,
+    which eagerly launch five)."""
+    from labkit.measure.profiling import launches
+
+    def f(x):
+        return ((x * 2 + 1).relu() * 3).sum()
+
+    compiled = torch.compile(f)
+    x = torch.randn(64)
+    compiled(x)  # compiles
+    eager, fused = launches(lambda: f(x)), launches(lambda: compiled(x))
+    assert sum(eager.values()) == 5, eager
+    assert sum(fused.values()) == 1 and next(iter(fused)).startswith("inductor::"), fused

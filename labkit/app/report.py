@@ -50,7 +50,16 @@ def _source(name: str, meta: dict) -> str:
 
 
 def runs_note(result: dict) -> str:
-    """Which runs a ladder file's rows come from, and the rule for its ratios."""
+    """Which runs a ladder file's rows come from, and the rule for its ratios (and where its
+    rows predate the kernel counts, that they do)."""
+    ok = [r for r in result["ladder"] if r.get("status") == "ok"]
+    old = [str(r["stage"]) for r in ok if r.get("kernels_per_step") is None]
+    before = (f"Kernels per step: — where the row was recorded before they were counted "
+              f"(stage {', '.join(old)}). " if old else "")
+    return before + _runs(result)
+
+
+def _runs(result: dict) -> str:
     used = {r.get("run") for s in ("ladder", "scaling") for r in result.get(s, [])}
     runs = {k: v for k, v in (result.get("runs") or {}).items() if k in used}
     if len(runs) <= 1:

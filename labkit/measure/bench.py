@@ -37,6 +37,7 @@ from ..stages import STAGES, Pipeline, PipelineState, Stage, StageSkipped, get_s
 from ..timing import PHASES, lap_cost_s, timed
 from . import noise, tables
 from .noise import Wait
+from .profiling import LaunchCount
 from .syncmeter import SyncMeter
 
 PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -178,11 +179,15 @@ def _ceilings(timings: list[_Timing], cfg: BenchConfig) -> None:
 
 def _metered_iteration(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter, Batch]:
     """One more iteration under the sync meter: the rollout's meter, the update's, and the
-    batch (the compute ceiling's update reuses it)."""
-    with SyncMeter(cuda_debug=True, device=pipe.device) as rollout:
+    batch (the compute ceiling's update reuses it). Each meter also holds the kernels its
+    part would launch on a GPU (``launched``: :class:`labkit.measure.profiling.LaunchCount`,
+    told each op by the meter's own data flow, compiled regions' kernels included)."""
+    with SyncMeter(cuda_debug=True, device=pipe.device) as rollout, LaunchCount() as launched:
         batch = pipe.rollout()
-    with SyncMeter(cuda_debug=True, device=pipe.device) as update:
+    rollout.launched = launched
+    with SyncMeter(cuda_debug=True, device=pipe.device) as update, LaunchCount() as launched:
         pipe.learn(batch)
+    update.launched = launched
     synchronize(pipe.device)
     return rollout, update, batch
 
@@ -251,6 +256,11 @@ def _finish(t: _Timing, cfg: BenchConfig, lap_cost: float, peaks: dict | None) -
         "host_reads_update": m_upd.host_reads,
         "host_reads_by_kind": dict(m_roll.counts + m_upd.counts),
         "device_reads_per_iter": m_roll.device_reads + m_upd.device_reads,
+        "kernels_per_step": m_roll.launched.total / run.n_steps,
+        "kernels_per_minibatch": m_upd.launched.total / (run.ppo.update_epochs
+                                                         * run.ppo.n_minibatches),
+        "kernels_top": {part: dict(m.launched.counts.most_common(8))
+                        for part, m in (("rollout", m_roll), ("update", m_upd))},
         "device_reads_rollout_per_step": m_roll.device_reads / run.n_steps,
         "device_reads_update": m_upd.device_reads,
         "host_scalar_reads_per_iter": m_roll.host_scalar_reads + m_upd.host_scalar_reads,

@@ -108,46 +108,70 @@ def dispatch_ops(fn: Callable[[], object]) -> Counter:
 
 
 #: Ops that launch no kernel: allocations, host reads, the profiler's own bookkeeping.
-_NO_LAUNCH = ("empty", "empty_like", "empty_strided", "_local_scalar_dense",
-              "_record_function_enter_new", "_record_function_exit")
+_NO_LAUNCH = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+              "_local_scalar_dense", "_record_function_enter_new", "_record_function_exit")
 
 
 def launches(fn: Callable[[], object]) -> Counter:
-    """The ops one call of ``fn`` would launch as kernels on a GPU, by name: the non-view aten
-    ops (:func:`dispatch_ops`) whose result lives on the device, by the sync meter's data flow
-    (:mod:`labkit.measure.hostflow`), so torch's default Adam adding 1 to its CPU step counters
-    is not one; allocations, host reads and profiler marks launch nothing. A top-level op
-    counts once: a foreach or fused op is one launch here, as on a GPU it is one (or a few
-    chunks), while the CPU runs it as a loop. ``fn`` runs eagerly: torch.compile refuses a
-    dispatch mode that would see inside its graphs, and inductor's fused kernels are not aten
-    ops (count the eager step a compiled one was made from)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from . import hostflow
-
-    counts: Counter = Counter()
-
-    class _Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            name = str(func.overloadpacket.__name__)
-            if func.is_view or name in _NO_LAUNCH:
-                return out
-            flow = hostflow.current()
-            pos, names = hostflow._written(func)
-            results = [args[i] for i in pos if i < len(args)] + \
-                [(kwargs or {}).get(n) for n in names]
-            results += list(out) if isinstance(out, (list, tuple)) else [out]
-            tensors = hostflow._tensors(results, [])
-            if not tensors:  # an op that returns nothing (_assert_async) runs on its inputs
-                tensors = hostflow._tensors([args, tuple((kwargs or {}).values())], [])
-            if any(not flow.is_host(t) for t in tensors):
-                counts[name] += 1
-            return out
-
-    with hostflow.tracked(), _Count():
+    """The kernels one call of ``fn`` would launch on a GPU, by name (:class:`LaunchCount`)."""
+    with LaunchCount() as count:
         fn()
-    return counts
+    return count.counts
+
+
+class LaunchCount:
+    """Count, inside the block, the ops that would launch a kernel each on a GPU, by name: the
+    non-view aten ops whose result lives on the device, by the sync meter's data flow
+    (:mod:`labkit.measure.hostflow`), so torch's default Adam adding 1 to its CPU step
+    counters is not one; allocations, host reads and profiler marks launch nothing. A
+    top-level op counts once: a foreach or fused op is one launch here, as on a GPU it is one
+    (or a few chunks), while the CPU runs it as a loop. Compiled regions stay compiled: what
+    they call out to is counted as ops, and the kernels inductor generated for them
+    (``inductor::cpp_fused_...``, ``inductor::triton_...``) from their wrapper's code
+    (:mod:`labkit.measure.kernels`). Told each op by the thread's host flow (a sync meter's,
+    if one is active): no dispatch mode of its own. A step replayed as a CUDA graph
+    dispatches nothing, so it counts 0 here (one graph launch on the GPU)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __enter__(self) -> LaunchCount:
+        from . import hostflow
+        from .kernels import compiled_kernels
+
+        self._tracked = hostflow.tracked()
+        self._flow = self._tracked.__enter__()
+        self._flow.observers.append(self.observe)
+        self._compiled = compiled_kernels().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._compiled.__exit__(*exc)
+            self.counts.update({f"inductor::{k}": n for k, n in self._compiled.counts.items()})
+        finally:
+            self._flow.observers.remove(self.observe)
+            self._tracked.__exit__(*exc)
+
+    def observe(self, func, args=(), kwargs=None, out=None, born=None) -> None:
+        from . import hostflow
+
+        name = str(func.overloadpacket.__name__)
+        if func.is_view or name in _NO_LAUNCH:
+            return
+        pos, names = hostflow._written(func)
+        kwargs = kwargs or {}
+        results = [args[i] for i in pos if i < len(args)] + [kwargs.get(n) for n in names]
+        results += list(out) if isinstance(out, (list, tuple)) else [out]
+        tensors = hostflow._tensors(results, [])
+        if not tensors:  # an op that returns nothing (_assert_async) runs on its inputs
+            tensors = hostflow._tensors([args, tuple(kwargs.values())], [])
+        if any(not self._flow.is_host(t) for t in tensors):
+            self.counts[name] += 1
 
 
 def optimizer_launches(params: Iterable[torch.Tensor], **flags) -> Counter:

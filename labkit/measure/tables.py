@@ -81,8 +81,8 @@ def _spread(r: dict) -> str:
 MISSING = "\u2014"
 
 
-def _count(key: str) -> Callable[[dict], str]:
-    return lambda r: MISSING if r.get(key) is None else f"{r[key]:g}"
+def _count(key: str, spec: str = "g") -> Callable[[dict], str]:
+    return lambda r: MISSING if r.get(key) is None else f"{r[key]:{spec}}"
 
 
 def _noise(r: dict) -> str:
@@ -105,6 +105,10 @@ LADDER = Table((
     Column("x prev", "x prev", lambda r: fmt(r.get("x_vs_prev"), ".2f"), 6),
     Column("syncs/it", "device reads (syncs) / iter", _count("device_reads_per_iter"), 8),
     Column("host/it", "host-scalar reads / iter", _count("host_scalar_reads_per_iter"), 7),
+    Column("k/step", "kernels (GPU launches) / rollout step", _count("kernels_per_step", ".4g"),
+           7),
+    Column("k/mb", "kernels (GPU launches) / minibatch step",
+           _count("kernels_per_minibatch", ".4g"), 6),
     Column("warmup s", "warmup s", lambda r: f"{r['warmup_s']:.2f}", 8),
     Column("ceil sps", "ceiling steps/s", lambda r: fmt(r["ceiling_sps"]), 10),
     Column("% ceil", "% of ceiling", _pct("frac_of_ceiling"), 6),
