@@ -127,6 +127,23 @@ def bench_env(device: torch.device, out: str | Path, *, repeats: int,
     return 0
 
 
+def bench_update(device: torch.device, out: str | Path, *, sizes: list[tuple[int, int]],
+                 rounds: int) -> int:
+    """Time the PPO update's minibatch step eager and compiled, fp32 and bf16, print the
+    table and write ``bench_update_<device>.json`` in ``out``."""
+    from ..measure.updatebench import bench_update as measure
+    from ..measure.updatebench import format_table
+
+    path = _free_file(check_output_dir(out) / f"bench_update_{device.type}.json")
+    result = measure(device, sizes, rounds=rounds)
+    with signals_deferred(reraise=False) as late:
+        print(format_table(result))
+        write_json(path, result)
+        print(f"wrote {path}")
+    _stopped_while_writing(late)
+    return 0
+
+
 # ------------------------------------------------------------------ the commands
 
 
@@ -135,6 +152,26 @@ def cmd_bench_env(args: argparse.Namespace) -> int:
 
     return bench_env(resolve_device(args.device), args.out, repeats=args.repeats,
                      n_envs=args.n_envs, compiled=args.compiled, compile_loop=args.compile_loop)
+
+
+def cmd_bench_update(args: argparse.Namespace) -> int:
+    from ..device import resolve_device
+
+    return bench_update(resolve_device(args.device), args.out, sizes=args.sizes,
+                        rounds=args.rounds)
+
+
+def _size(text: str) -> tuple[int, int]:
+    """``4096:2`` -> (minibatch 4096, 2 threads); ``4096`` -> (4096, 1)."""
+    n, _, threads = text.partition(":")
+    try:
+        size = (int(n), int(threads) if threads else 1)
+    except ValueError:
+        size = (0, 0)
+    if min(size) < 1:
+        raise argparse.ArgumentTypeError(f"must be MINIBATCH or MINIBATCH:THREADS, positive "
+                                         f"integers (e.g. 4096:2); got {text!r}")
+    return size
 
 
 def cmd_ladder(args: argparse.Namespace) -> int:
@@ -194,7 +231,23 @@ def _add_ladder(sub) -> None:
 
 
 
+def _add_bench_update(sub) -> None:
+    p = sub.add_parser("bench-update", help="time the PPO update eager and compiled, in fp32 "
+                                            "and bf16")
+    device_flag(p)
+    p.add_argument("--sizes", type=_size, nargs="+", default=[(4096, 2), (1024, 1)],
+                   metavar="MINIBATCH[:THREADS]",
+                   help="minibatch sizes, each with its CPU threads (default: 4096:2 1024:1, "
+                        "the N=256 ladder's minibatch on 2 threads and a smaller one on 1)")
+    p.add_argument("--rounds", type=int_at_least(1, 1000), default=5,
+                   help="interleaved rounds, each timing every variant once (default: "
+                        "%(default)s)")
+    p.add_argument("--out", type=path, default="results", help="folder for the JSON")
+    p.set_defaults(func=cmd_bench_update)
+
+
 def add_parsers(sub) -> None:
-    """``bench-env`` and ``ladder``, each with its flags."""
+    """``bench-env``, ``bench-update`` and ``ladder``, each with its flags."""
     _add_bench_env(sub)
+    _add_bench_update(sub)
     _add_ladder(sub)

@@ -1,0 +1,34 @@
+"""``python -m labkit bench-update``: the PPO update's minibatch step eager and compiled, in
+fp32 and bf16, timed in interleaved rounds (what decides whether compile and bf16 pay)."""
+import json
+
+import pytest
+
+from labkit.app.cli import main
+from labkit.measure.updatebench import VARIANTS
+
+
+@pytest.mark.slow
+def test_every_variant_is_timed_at_every_size_and_written(tmp_path, capsys):
+    assert main(["bench-update", "--device", "cpu", "--sizes", "64:1", "128", "--rounds", "2",
+                 "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "bench_update_cpu.json").read_text())
+    rows = result["rows"]
+    assert [(r["minibatch"], r["executor"], r["precision"]) for r in rows] == [
+        (n, ex, prec) for n in (64, 128) for ex, prec in VARIANTS]
+    assert all(r["threads"] == 1 and len(r["samples_ms"]) == 2 for r in rows)
+    assert all(r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["median_ms"] > 0
+               for r in rows)
+    assert [r["x_eager_fp32"] for r in rows if r["executor"] == "eager"
+            and r["precision"] == "fp32"] == [1.0, 1.0]
+    out = capsys.readouterr().out
+    assert "compiled bf16" in out and out.rstrip().endswith("bench_update_cpu.json")
+
+
+@pytest.mark.parametrize("sizes", [["4096:x"], ["0"], ["3:-2"], ["64:0"]])
+def test_a_bad_size_is_one_line_and_exit_2(sizes, capsys):
+    with pytest.raises(SystemExit) as exc:  # argparse's usage error, one line (cli._Parser)
+        main(["bench-update", "--sizes", *sizes])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "MINIBATCH:THREADS" in err and err.count("\n") == 1
