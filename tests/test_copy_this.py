@@ -192,3 +192,40 @@ def test_chapter_09s_capture_helper_captures_and_replays_in_a_rehearsal(tmp_path
         results = [once(x) for _ in range(5)]
     assert once.attempts == 1 and not once.capture
     assert all(torch.equal(r, x / x.abs().max()) for r in results)
+
+
+@pytest.mark.parametrize("amx, avx512_bf16, features", [
+    (True, False, ""), (False, True, ""), (False, False, "fp asimd bf16"),
+    (False, False, "fp asimd sve"), (False, False, ""),
+])
+def test_chapter_08s_bf16_rule_is_labkits(monkeypatch, tmp_path, amx, avx512_bf16, features):
+    """The snippet's ``native_bf16`` and the recipe's ``has_bf16`` decide as labkit's ``amp``
+    does on a CPU, each instruction flag forced both ways (all three read Arm's bf16 from
+    /proc/cpuinfo, here a file of the test's)."""
+    import types
+
+    import labkit.device
+    from tests.test_recipe import recipe
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nFeatures\t: {features}\n")
+
+    def at_cpuinfo(path):
+        return Path(cpuinfo) if str(path) == "/proc/cpuinfo" else Path(path)
+
+    source, _ = snippet(ROOT / "notebooks" / "08_fused_optimizers_and_amp.ipynb")
+    start = source.index("def native_bf16")
+    scope = {"torch": torch, "pathlib": types.SimpleNamespace(Path=at_cpuinfo)}
+    exec(source[start:source.index("\n\n\n", start)], scope)  # the function alone
+    monkeypatch.setattr(recipe, "Path", at_cpuinfo)
+    monkeypatch.setattr(labkit.device, "open", raising=False,
+                        value=lambda path, *a, **k: open(at_cpuinfo(path), *a, **k))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(labkit.device.platform, "machine",
+                        lambda: "aarch64" if features else "x86_64")
+    cpu = torch.device("cpu")
+    expected = amx or avx512_bf16 or "bf16" in features.split()
+    assert labkit.device.has_bf16(cpu) == expected
+    assert bool(scope["native_bf16"](cpu)) == expected
+    assert bool(recipe.has_bf16(cpu)) == expected
