@@ -44,10 +44,14 @@ def side_by_side(before: Any, after: Any):
     """Two sources in two columns (HTML in a notebook; GitHub renders it too)."""
     from IPython.display import HTML
 
-    cell = ("<td style='vertical-align:top;text-align:left'><pre style='font-size:11px'>"
-            "{}</pre></td>")
+    # monospace named (a page's stylesheet may give <pre> a proportional font), and each
+    # column scrolls on its own rather than pushing the page wider
+    cell = ("<td style='vertical-align:top;text-align:left;width:50%;max-width:50%'>"
+            "<pre style='font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,"
+            "\"Liberation Mono\",\"DejaVu Sans Mono\",monospace;font-size:12px;"
+            "overflow-x:auto;white-space:pre'>{}</pre></td>")
     cols = "".join(cell.format(html.escape(source(x))) for x in (before, after))
-    return HTML(f"<table><tr>{cols}</tr></table>")
+    return HTML(f"<table style='table-layout:fixed;width:100%'><tr>{cols}</tr></table>")
 
 
 def changed_slots(before: Stage, after: Stage) -> dict[str, tuple[Any, Any]]:
