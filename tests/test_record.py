@@ -319,3 +319,49 @@ def test_a_signal_in_a_learning_or_bench_env_part_exits_128_plus_n(tmp_path, mon
         assert list(result["stages"]) == ["numpy_vec"]
     else:
         assert not (out / "bench_env_cpu_tiny.json").exists()
+
+
+def _widget_notebook() -> dict:
+    """A stored notebook as nbclient leaves it: a tqdm bar (an HBox of label, bar and counts,
+    its text fallback the first frame) and a form, and the widget state in the metadata."""
+    def model(name, **state):
+        return {"model_name": name, "model_module": "@jupyter-widgets/controls",
+                "model_module_version": "2.0.0", "state": state}
+
+    state = {"bar": model("HBoxModel", children=["IPY_MODEL_a", "IPY_MODEL_b", "IPY_MODEL_c"]),
+             "a": model("HTMLModel", value="ladder:\u2007100%"),
+             "b": model("FloatProgressModel", value=9.0, max=9.0),
+             "c": model("HTMLModel", value="\u20079/9\u2007[00:34&lt;00:00]"),
+             "form": model("VBoxModel", children=[])}
+
+    def view(model_id, text):
+        return {"output_type": "display_data", "metadata": {}, "data": {
+            "application/vnd.jupyter.widget-view+json": {"model_id": model_id,
+                                                         "version_major": 2},
+            "text/plain": text}}
+
+    return {"metadata": {"widgets": {"application/vnd.jupyter.widget-state+json": {
+                "state": state, "version_major": 2}}},
+            "cells": [{"cell_type": "code", "outputs": [view("bar", "ladder: 0stage [00:00]"),
+                                                        view("form", "controls: open it")]}]}
+
+
+def test_a_stored_widget_keeps_what_it_showed_and_no_widget_state():
+    from labkit.app.record import strip_widgets
+
+    nb = strip_widgets(_widget_notebook())
+    bar, form = nb["cells"][0]["outputs"]
+    assert bar["data"] == {"text/plain": "ladder: 100%|" + "\u2588" * 10 + "| 9/9 [00:34<00:00]"}
+    assert form["data"] == {"text/plain": "controls: open it"}
+    assert "widgets" not in nb["metadata"]
+
+
+@pytest.mark.parametrize("path", sorted(
+    (Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9]*.ipynb")),
+    ids=lambda p: p.stem)
+def test_no_stored_notebook_holds_widget_state(path):
+    """make record strips it (labkit.app.record.strip_widgets): a stored widget renders blank
+    or as its first frame wherever no kernel runs (a static page, GitHub)."""
+    text = path.read_text(encoding="utf-8")
+    assert "application/vnd.jupyter.widget-view+json" not in text
+    assert "application/vnd.jupyter.widget-state+json" not in text
