@@ -20,8 +20,14 @@ def test_changed_slots_and_stage_table():
     assert set(changed_slots(STAGES[6], STAGES[7])) == {"optimizer", "precision"}
     assert set(changed_slots(STAGES[3], STAGES[4])) == {"logger"}
     table = stage_table(list(STAGES)).splitlines()
-    assert len(table) == 1 + len(STAGES)
+    starts = [line.split()[0] for line in table[1:] if not line.startswith(" ")]
+    assert starts == [str(s.index) for s in STAGES]  # one entry per stage, in order
+    assert max(map(len, table)) <= 92  # wrapped: a page never breaks a name
     assert "Graphed(Compiled(), needs bf16)" in table[-1]
+    # after the first stage, an entry names exactly the slots its lesson changes
+    (seven,) = [line for line in table if line.startswith("7 ")]
+    assert seven.split(None, 2)[2] == "optimizer FusedAdam(); precision Amp()"
+    assert all(slot in "".join(table[1:4]) for slot in STAGES[0].components())
 
 
 def test_reads_table_sorts_and_divides():

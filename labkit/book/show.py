@@ -68,15 +68,26 @@ def describe(part: Any) -> str:
 
 
 @expects("a non-empty list of stages (labkit.stages.STAGES, or some of them)")
-def stage_table(stages: list[Stage]) -> str:
-    """One line per stage, one column per slot: the ladder as a table of components."""
-    slots = list(stages[0].components())
-    width = {k: max(len(k), *(len(describe(s.components()[k])) for s in stages)) + 2
-             for k in slots}
-    lines = [" " * 18 + "".join(f"{k:<{width[k]}}" for k in slots)]
+def stage_table(stages: list[Stage], width: int = 92) -> str:
+    """The ladder as its components: the first stage names the component in every slot, each
+    later one only the slots it fills differently from the stage before (its lesson); lines
+    wrapped at ``width`` characters, so that a page never has to break a name."""
+    stages[0].components()  # nothing to show: said by @expects
+    lines = [f"{'stage':<18}{'slot component (the first stage: every slot; then what changes)'}"]
+    before = None
     for s in stages:
-        lines.append(f"{s.index} {s.name:<16}" + "".join(
-            f"{describe(s.components()[k]):<{width[k]}}" for k in slots))
+        parts = s.components()
+        items = [f"{k} {describe(v)}" for k, v in parts.items()
+                 if before is None or before[k] != v] or ["(no slot changes)"]
+        line = f"{s.index} {s.name:<16}"
+        for i, item in enumerate(items):
+            piece = item if i == 0 else f"; {item}"
+            if i and len(line) + len(piece) + 1 > width:  # + the ";" that ends it
+                lines.append(line + ";")
+                line, piece = " " * 18, item
+            line += piece
+        lines.append(line)
+        before = parts
     return "\n".join(lines)
 
 
