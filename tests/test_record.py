@@ -285,6 +285,13 @@ def test_one_row_model_renders_text_and_markdown_alike():
     assert md[3].startswith("| 8 | cuda_graphs | 32 | skipped: needs CUDA |")
     assert md[3].count("|") == md[0].count("|") == len(tables.LADDER.columns) + 1
     assert len(text[0]) == len(text[1])  # the rule is as wide as the header
+    page = tables.LADDER.html([ok, skipped])  # what a chapter displays: the same cells
+    import html as html_module
+    import re
+    rows = [[html_module.unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", tr)]
+            for tr in re.findall(r"<tr>(.*?)</tr>", page)[1:]]
+    assert rows == [[*cells, ""], ["8", "cuda_graphs", "32", "skipped: needs CUDA"]]  # noise ""
+    assert page.startswith("<div style='overflow-x:auto'>")
 
 
 @pytest.mark.parametrize("part", ["learning", "bench_env"])

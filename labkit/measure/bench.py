@@ -463,10 +463,15 @@ def _measure_plan(todo: list, cfg: BenchConfig, device: torch.device, cal: dict,
 
 def format_ladder(result: dict) -> str:
     """The ladder table as text, with the device it was measured on."""
+    return tables.LADDER.text(result["ladder"]) + "\n" + ladder_notes(result)
+
+
+def ladder_notes(result: dict) -> str:
+    """What is said under a ladder table: its device, each precision chosen and why, and
+    whether the run was cut short."""
     m = result["meta"]
     threads = result.get("threads")
-    lines = [tables.LADDER.text(result["ladder"]),
-             f"device: {m['device_name']} ({m['device']}), torch {m['torch']}, "
+    lines = [f"device: {m['device_name']} ({m['device']}), torch {m['torch']}, "
              f"peak {result['peak_flops'] / 1e9:.1f} GFLOP/s ({result['peak_dtype']} matmul)"
              + (f", {threads['threads']} thread(s) ({threads['chosen_by']})" if threads else "")]
     chosen = {(r["precision"], r["precision_why"]) for r in result["ladder"]

@@ -1,11 +1,13 @@
 """Results tables, each defined once: its columns over one kind of row, rendered as fixed-width
-text (what the CLI and the chapters print) or as Markdown (``results/RESULTS.md``, the README).
+text (what the CLI prints), as Markdown (``results/RESULTS.md``, the README) or as HTML in a
+box that scrolls sideways (what the chapters display).
 
 A row whose ``status`` is not ``ok`` shows its key columns and then the status, so a stage that
 was skipped or failed says why in the same place in both renderings.
 """
 from __future__ import annotations
 
+import html
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -66,6 +68,29 @@ class Table:
                          + [""] * (n - self.keys - 1))
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
+
+    def html(self, rows: Iterable[dict]) -> str:
+        """An HTML table (the short headers, the long ones as tooltips) in a box that scrolls
+        sideways on its own: what a chapter displays, so that a page never wraps a row."""
+        def cell(tag: str, text: str, column: Column | None = None, span: int = 1) -> str:
+            align = "left" if column is None or column.left else "right"
+            title = f" title='{html.escape(column.title, quote=True)}'" \
+                if tag == "th" and column else ""
+            extra = f" colspan='{span}'" if span > 1 else ""
+            return (f"<{tag}{title}{extra} style='text-align:{align};white-space:nowrap'>"
+                    f"{html.escape(text)}</{tag}>")
+
+        head = "".join(cell("th", c.head, c) for c in self.columns)
+        body = []
+        for r in rows:
+            if self.ran(r):
+                cells = "".join(cell("td", c.cell(r), c) for c in self.columns)
+            else:
+                cells = "".join(cell("td", c.cell(r), c) for c in self.columns[:self.keys]) \
+                    + cell("td", r["status"], span=len(self.columns) - self.keys)
+            body.append(f"<tr>{cells}</tr>")
+        return (f"<div style='overflow-x:auto'><table><thead><tr>{head}</tr></thead>"
+                f"<tbody>{''.join(body)}</tbody></table></div>")
 
 
 def _pct(key: str, spec: str = ".1f") -> Callable[[dict], str]:
