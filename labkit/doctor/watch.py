@@ -63,7 +63,7 @@ CHAPTERS = {"device_read": "07_metrics_on_the_device (and 02, 'Sampling an actio
             "graph_break": "06_compile_and_warm_up", "recompile": "06_compile_and_warm_up",
             "graph_growth": "06_compile_and_warm_up", "recompile_limit": "06_compile_and_warm_up",
             "memory_growth": "10_the_regression_hunt"}
-_OBSERVED: dict[int, tuple] = {}  # id(op) -> (name, counted, what it may make or move)
+_OBSERVED: dict[int, tuple] = {}  # id(op) -> (op, name, counted, what it may make or move)
 _SPECIAL = {"aten::lift_fresh": "from_data", "aten::lift_fresh_copy": "from_data",
             "aten::clone": "clone", "aten::_to_copy": "copy", "aten::copy_": "copy"}
 _SKIP_OPS = ("aten::view", "aten::_unsafe_view", "aten::detach", "aten::alias", "aten::t",
@@ -99,10 +99,10 @@ class _OpCount(TorchDispatchMode):
 
     def observe(self, func, args=(), kwargs=None, out=None, born=None) -> None:
         info = _OBSERVED.get(id(func))
-        if info is None:  # by id: an op overload's hash is Python code, and this runs per op
+        if info is None or info[0] is not func:  # by id: an op's hash is Python code
             name = f"aten::{func._overloadpacket.__name__}"
-            info = _OBSERVED[id(func)] = (name, name not in _SKIP_OPS, _SPECIAL.get(name))
-        name, counted, special = info
+            info = _OBSERVED[id(func)] = (func, name, name not in _SKIP_OPS, _SPECIAL.get(name))
+        _, name, counted, special = info
         if counted:
             self.ops[name] += 1
         if special == "from_data":
@@ -286,7 +286,7 @@ class watch:  # noqa: N801 - a context manager, used like torch's
 
     def __exit__(self, *exc: Any) -> None:
         self.seconds += time.perf_counter() - self._start
-        graphs, breaks, reasons = dynamo_state()
+        graphs, breaks, _ = dynamo_state()
         self._graphs += graphs - self._dynamo[0]
         self._breaks += breaks - self._dynamo[1]
         for code, n in _graph_counts().items():

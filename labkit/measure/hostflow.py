@@ -282,17 +282,18 @@ class HostFlow(TorchDispatchMode):
         return out
 
 
-_INFO: dict[int, tuple] = {}  # id(op) -> _op_info (an op overload lives as long as torch)
+_INFO: dict[int, tuple] = {}  # id(op) -> (op, name, written positions, names, lift)
 
 
 def _op_info(func) -> tuple[str, tuple, tuple, bool]:
     """An op's schema name, the arguments it writes (:func:`_written`) and whether it wraps
-    fresh data (``lift_fresh``): looked up by ``id``, as an op's own hash is Python code."""
+    fresh data (``lift_fresh``): looked up by ``id``, as an op's own hash is Python code (the
+    op is kept beside, so that an id reused by another op is never taken for it)."""
     info = _INFO.get(id(func))
-    if info is None:
+    if info is None or info[0] is not func:
         name = func._schema.name
-        info = _INFO[id(func)] = (name, *_written(func), name in _LIFTS)
-    return info
+        info = _INFO[id(func)] = (func, name, *_written(func), name in _LIFTS)
+    return info[1:]
 
 
 _flows: dict[int, tuple[HostFlow, int]] = {}  # thread -> (its flow, how many users)
