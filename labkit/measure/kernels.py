@@ -64,11 +64,11 @@ class compiled_kernels:  # noqa: N801 - a context manager
         return sum(self.counts.values())
 
     def __enter__(self) -> compiled_kernels:
-        from torch._inductor.output_code import CompiledFxGraph
-
+        graph_class = _graph_class()
         self._thread = threading.get_ident()
         with _lock:
-            if not compiled_kernels._active:
+            if not compiled_kernels._active and graph_class is not None:
+                CompiledFxGraph = graph_class  # noqa: N806 - torch's class
                 original = compiled_kernels._original = CompiledFxGraph.__call__
 
                 def counted(graph, inputs):
@@ -83,13 +83,21 @@ class compiled_kernels:  # noqa: N801 - a context manager
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from torch._inductor.output_code import CompiledFxGraph
-
         with _lock:
             compiled_kernels._active.remove(self)
-            if not compiled_kernels._active:
-                CompiledFxGraph.__call__ = compiled_kernels._original
+            if not compiled_kernels._active and compiled_kernels._original is not None:
+                _graph_class().__call__ = compiled_kernels._original
                 compiled_kernels._original = None
+
+
+def _graph_class() -> type | None:
+    """inductor's compiled graph (``torch._inductor.output_code.CompiledFxGraph`` since torch
+    2.6); None where a torch has none, and then nothing is counted (nor patched)."""
+    try:
+        from torch._inductor.output_code import CompiledFxGraph
+    except ImportError:
+        return None
+    return CompiledFxGraph
 
 
 def _kind(kernel: str) -> str:
