@@ -25,6 +25,7 @@ from .flags import (
     int_at_least,
     path,
     positive_int,
+    stage,
     stage_list,
 )
 
@@ -144,6 +145,29 @@ def bench_update(device: torch.device, out: str | Path, *, sizes: list[tuple[int
     return 0
 
 
+def bench_sb3(cfg, out: str | Path, *, stage: str | None, iterations: int, rounds: int,
+              threads: int | None) -> int:
+    """labkit's ``stage`` (default: the CPU's default stage) against SB3's PPO on the same
+    work; print the table and write ``bench_sb3_cpu.json`` in ``out``."""
+    from ..measure.sb3bench import bench_sb3 as measure
+    from ..measure.sb3bench import format_table
+    from ..stages import default_stage
+
+    try:
+        import stable_baselines3  # noqa: F401
+    except ImportError:
+        raise ValueError("bench-sb3 needs Stable-Baselines3: pip install -e '.[sb3]'") from None
+    path = _free_file(check_output_dir(out) / "bench_sb3_cpu.json")
+    result = measure(cfg, stage or default_stage(torch.device("cpu")), iterations=iterations,
+                     rounds=rounds, threads=threads)
+    with signals_deferred(reraise=False) as late:
+        print(format_table(result))
+        write_json(path, result)
+        print(f"wrote {path}")
+    _stopped_while_writing(late)
+    return 0
+
+
 # ------------------------------------------------------------------ the commands
 
 
@@ -159,6 +183,14 @@ def cmd_bench_update(args: argparse.Namespace) -> int:
 
     return bench_update(resolve_device(args.device), args.out, sizes=args.sizes,
                         rounds=args.rounds)
+
+
+def cmd_bench_sb3(args: argparse.Namespace) -> int:
+    from ..config import RunConfig
+
+    return bench_sb3(RunConfig(n_envs=args.n_envs, n_steps=args.n_steps), args.out,
+                     stage=args.stage, iterations=args.iterations, rounds=args.rounds,
+                     threads=args.threads)
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -246,8 +278,27 @@ def _add_bench_update(sub) -> None:
     p.set_defaults(func=cmd_bench_update)
 
 
+def _add_bench_sb3(sub) -> None:
+    p = sub.add_parser("bench-sb3", help="labkit's stage against Stable-Baselines3's PPO on "
+                                         "the same envs, network and hyperparameters (CPU)")
+    p.add_argument("--stage", type=stage, default=None,
+                   help="the labkit stage (default: the CPU's default stage, the fastest of "
+                        "its recorded ladder)")
+    p.add_argument("--n-envs", type=positive_int, default=256, help="N (default: %(default)s)")
+    p.add_argument("--n-steps", type=positive_int, default=64, help="T (default: %(default)s)")
+    p.add_argument("--iterations", type=positive_int, default=3,
+                   help="PPO iterations timed per round and side (default: %(default)s)")
+    p.add_argument("--rounds", type=int_at_least(1, 1000), default=5,
+                   help="interleaved rounds (default: %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads for both (default: torch's)")
+    p.add_argument("--out", type=path, default="results", help="folder for the JSON")
+    p.set_defaults(func=cmd_bench_sb3)
+
+
 def add_parsers(sub) -> None:
-    """``bench-env``, ``bench-update`` and ``ladder``, each with its flags."""
+    """``bench-env``, ``bench-update``, ``bench-sb3`` and ``ladder``, each with its flags."""
     _add_bench_env(sub)
     _add_bench_update(sub)
+    _add_bench_sb3(sub)
     _add_ladder(sub)
