@@ -9,7 +9,7 @@ import torch
 
 from labkit.app.cli import main
 from labkit.config import RunConfig
-from labkit.envs import ForageNumpy, ForageSpec
+from labkit.envs import ForageNumpy, ForageSpec, ForageTorch
 
 
 def _needs_sb3():
@@ -19,12 +19,13 @@ def _needs_sb3():
         pytest.importorskip("stable_baselines3")
 
 
-def test_sb3_steps_the_same_envs_and_sees_each_ended_episode():
+@pytest.mark.parametrize("env_class", [ForageNumpy, ForageTorch])
+def test_sb3_steps_the_same_envs_and_sees_each_ended_episode(env_class):
     _needs_sb3()
     from labkit.measure.sb3bench import _vec_env
 
     cfg = RunConfig(n_envs=4, n_steps=8, spec=ForageSpec(episode_length=5))
-    env, ref = _vec_env(4, cfg), ForageNumpy(4, cfg.spec, cfg.seed, final_obs=True)
+    env, ref = _vec_env(4, cfg, env_class), ForageNumpy(4, cfg.spec, cfg.seed, final_obs=True)
     assert np.array_equal(env.reset(), ref.reset()[0])
     rng = np.random.default_rng(0)
     for t in range(1, 11):

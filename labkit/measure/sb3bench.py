@@ -1,10 +1,10 @@
 """labkit's stage against Stable-Baselines3's PPO on the same work: the same vectorized Forage
-envs (``ForageNumpy``, N of them, one seed), the same network (labkit's conv body and two
-linear heads), the same hyperparameters and threads, all printed; env steps per second of
-whole PPO iterations (rollout, GAE, update), timed in interleaved rounds.
-``python -m labkit bench-sb3`` (needs the ``sb3`` extra).
+envs (the stage's own, ``ForageNumpy`` or ``ForageTorch``; N of them, one seed), the same
+network (labkit's conv body and two linear heads), the same hyperparameters and threads, all
+printed; env steps per second of whole PPO iterations (rollout, GAE, update), timed in
+interleaved rounds. ``python -m labkit bench-sb3`` (needs the ``sb3`` extra).
 
-Where the two cannot be made identical it says so: SB3 samples actions with its own
+What differs by design: SB3 samples actions with its own
 distribution on the host and copies observations to its device each step, and it logs through
 its own logger; both are what an SB3 user runs.
 """
@@ -18,34 +18,40 @@ import torch
 
 from ..config import RunConfig
 from ..device import run_metadata
-from ..envs import ForageNumpy
+from ..envs import ForageNumpy, ForageTorch
 from ..policy import HIDDEN, N_ACTIONS, layer_init
 from ..stages import Pipeline, get_stage
 from . import tables
 
 
-def _vec_env(n_envs: int, cfg: RunConfig):
-    """ForageNumpy behind SB3's ``VecEnv`` interface (same-step resets: the ended episode's
-    last observation under ``terminal_observation``, as SB3 expects)."""
+def _vec_env(n_envs: int, cfg: RunConfig, env_class: type = ForageNumpy):
+    """``env_class`` (ForageNumpy, or ForageTorch on the CPU, its arrays read as NumPy) behind
+    SB3's ``VecEnv`` interface (same-step resets: the ended episode's last observation under
+    ``terminal_observation``, as SB3 expects)."""
     from gymnasium import spaces
     from stable_baselines3.common.vec_env import VecEnv
 
+    def host(x):
+        return x.numpy() if isinstance(x, torch.Tensor) else x
+
     class ForageVec(VecEnv):
         def __init__(self) -> None:
-            self.env = ForageNumpy(n_envs, cfg.spec, cfg.seed, final_obs=True)
-            obs, _ = self.env.reset()
+            self.env = env_class(n_envs, cfg.spec, cfg.seed, final_obs=True)
+            obs = host(self.env.reset()[0])
             super().__init__(n_envs, spaces.Box(0.0, 1.0, obs.shape[1:], np.float32),
                              spaces.Discrete(N_ACTIONS))
             self._actions = None
 
         def reset(self):
-            return self.env.reset()[0]
+            return host(self.env.reset()[0])
 
         def step_async(self, actions):
-            self._actions = actions
+            self._actions = actions if env_class is ForageNumpy else torch.from_numpy(actions)
 
         def step_wait(self):
-            obs, reward, terminated, truncated, info = self.env.step(self._actions)
+            obs, reward, terminated, truncated, info = (
+                {k: host(v) for k, v in x.items()} if isinstance(x, dict) else host(x)
+                for x in self.env.step(self._actions))
             done = terminated | truncated
             infos = [{} for _ in range(self.num_envs)]
             for i in np.flatnonzero(done):
@@ -112,8 +118,10 @@ def bench_sb3(cfg: RunConfig, stage: str | int, iterations: int = 3, rounds: int
         torch.set_num_threads(threads)
     steps = iterations * cfg.n_envs * cfg.n_steps
     times: dict[str, list[float]] = {"sb3": [], "labkit": []}
+    env_class = get_stage(stage).env  # SB3 steps the stage's own env where it can
+    env_class = env_class if env_class in (ForageNumpy, ForageTorch) else ForageNumpy
     try:
-        model = _sb3_model(cfg, _vec_env(cfg.n_envs, cfg))
+        model = _sb3_model(cfg, _vec_env(cfg.n_envs, cfg, env_class))
         model.learn(cfg.n_envs * cfg.n_steps)  # imports, first calls, allocator: off the clock
         with Pipeline(get_stage(stage), cfg, "cpu") as pipe:
             pipe.iteration()  # compiles where the stage compiles: off the clock
@@ -134,7 +142,7 @@ def bench_sb3(cfg: RunConfig, stage: str | int, iterations: int = 3, rounds: int
     rows[1]["x_sb3"] = rows[1]["sps"] / rows[0]["sps"]
     rows[0]["x_sb3"] = 1.0
     return {"meta": run_metadata(torch.device("cpu")), "stage": name, "precision": precision,
-            "threads": used, "iterations": iterations, "rounds": rounds,
+            "env": env_class.__name__, "threads": used, "iterations": iterations, "rounds": rounds,
             "run": cfg.to_dict(), "rows": rows}
 
 
@@ -155,7 +163,8 @@ def format_table(result: dict) -> str:
         f"{result['meta']['device_name']} (cpu), {result['threads']} thread(s), torch "
         f"{result['meta']['torch']}; {result['rounds']} interleaved rounds of "
         f"{result['iterations']} iterations each",
-        f"same work: ForageNumpy x {run['n_envs']} envs, seed {run['seed']}, T={run['n_steps']}; "
+        f"same work: {result['env']} x {run['n_envs']} envs, seed {run['seed']}, "
+        f"T={run['n_steps']}; "
         f"conv body and linear heads; {p['update_epochs']} epochs x {p['n_minibatches']} "
         f"minibatches, lr {p['lr']:g} annealed, gamma {p['gamma']:g}, lambda {p['gae_lambda']:g},"
         f" clip {p['clip_coef']:g}, ent {p['ent_coef']:g}, vf {p['vf_coef']:g}, max grad norm "
