@@ -137,11 +137,7 @@ def bench_update(device: torch.device, out: str | Path, *, sizes: list[tuple[int
 
     path = _free_file(check_output_dir(out) / f"bench_update_{device.type}.json")
     result = measure(device, sizes, rounds=rounds)
-    with signals_deferred(reraise=False) as late:
-        print(format_table(result))
-        write_json(path, result)
-        print(f"wrote {path}")
-    _stopped_while_writing(late)
+    _print_and_write(format_table(result), path, result)
     return 0
 
 
@@ -160,12 +156,17 @@ def bench_sb3(cfg, out: str | Path, *, stage: str | None, iterations: int, round
     path = _free_file(check_output_dir(out) / "bench_sb3_cpu.json")
     result = measure(cfg, stage or default_stage(torch.device("cpu")), iterations=iterations,
                      rounds=rounds, threads=threads)
+    _print_and_write(format_table(result), path, result)
+    return 0
+
+
+def _print_and_write(text: str, path: Path, result: dict) -> None:
+    """Show what was measured and write it; a stop signal waits until both are done."""
     with signals_deferred(reraise=False) as late:
-        print(format_table(result))
+        print(text)
         write_json(path, result)
         print(f"wrote {path}")
     _stopped_while_writing(late)
-    return 0
 
 
 # ------------------------------------------------------------------ the commands
