@@ -44,3 +44,9 @@ def tiny_run() -> RunConfig:
     """The tiny run: 8 envs x 16 steps, the default world (a fresh one per test: it is
     mutable)."""
     return RunConfig(n_envs=8, n_steps=16)
+
+
+def pytest_runtest_setup(item):
+    """A test marked ``cuda`` is skipped where there is no CUDA device."""
+    if item.get_closest_marker("cuda") and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")

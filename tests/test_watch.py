@@ -245,6 +245,36 @@ def test_the_generated_kernels_of_a_gpu_wrapper_are_read_too():
     assert generated_launches("def call(args):\n    return args\n") == ()
 
 
+@pytest.mark.cuda
+def test_the_triton_kernels_of_a_compiled_region_are_counted_as_the_profiler_sees_them():
+    """On a GPU: the kernels read from each compiled graph's real wrapper, counted per call,
+    match the profiler's CUDA kernel events named ``triton_*`` (the extern matmuls are cuBLAS
+    kernels under other names, left out on both sides)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from labkit.measure.kernels import compiled_kernels
+
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                              torch.nn.Linear(32, 5)).cuda()
+
+    @torch.compile
+    def loss(x):
+        return torch.log_softmax(net(x), -1).square().mean()
+
+    loss(torch.randn(64, 16, device="cuda")).backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
+            compiled_kernels() as k:
+        for _ in range(3):
+            loss(torch.randn(64, 16, device="cuda")).backward()
+        torch.cuda.synchronize()
+    seen = Counter(re.sub(r"_\d+$", "", e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA
+                   and e.name.startswith("triton_"))
+    print("counted", dict(k.counts), "profiler", dict(seen))
+    assert k.graphs == 6 and seen and dict(k.counts) == dict(seen)
+
+
 # ---------------------------------------------------------------- the command
 
 
