@@ -252,7 +252,8 @@ def test_async_flushes_at_interpreter_exit(tmp_path):
             logger.log(i, x=torch.tensor(float(i)))
         # no close(): the exit hook must drain the queue
     """)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, "-c", script, str(path)], env=env, check=True, timeout=120)
     assert [r["x"] for r in read_lines(path)] == [float(i) for i in range(100)]
 

@@ -45,7 +45,8 @@ def _source(where: str) -> str:
 def _cli_json(argv: list[str], cwd: Path) -> tuple[dict, subprocess.CompletedProcess]:
     done = subprocess.run([sys.executable, "-m", "labkit", "watch", "--json", *argv], cwd=cwd,
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     start = done.stdout.rindex("\n{\n") + 1 if "\n{\n" in done.stdout else 0
     return json.loads(done.stdout[start:]), done
 

@@ -10,7 +10,8 @@ kernel at fixed places, with no branches. :func:`generated_launches` reads them 
 ``CompiledFxGraph.__call__``, restored on exit also when the block raises), and so the kernels
 launched. A graph that CUDA graphs replay launches the same kernels as one graph launch; a
 graph with control flow (``torch.cond``) counts each branch's kernels. Only the thread that
-entered counts, as the sync meter's reads do.
+entered counts, as the sync meter's reads do, and the threads where autograd runs a backward
+(a GPU's backward runs in autograd's own thread for that device).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import functools
 import re
 import threading
 from collections import Counter
+
+import torch
 
 #: a generated kernel defined in the wrapper: ``name = async_compile.cpp_pybinding(`` /
 #: ``async_compile.triton(`` / ``async_compile.cpp(``
@@ -72,8 +75,9 @@ class compiled_kernels:  # noqa: N801 - a context manager
                 original = compiled_kernels._original = CompiledFxGraph.__call__
 
                 def counted(graph, inputs):
+                    backward = _in_backward()
                     for meter in compiled_kernels._active:
-                        if meter._thread == threading.get_ident():
+                        if backward or meter._thread == threading.get_ident():
                             meter.graphs += 1
                             meter.counts.update(_kind(k) for k in _kernels(graph))
                     return original(graph, inputs)
@@ -98,6 +102,14 @@ def _graph_class() -> type | None:
     except ImportError:
         return None
     return CompiledFxGraph
+
+
+def _in_backward() -> bool:
+    """Is this thread running a backward pass? On a GPU autograd runs a backward in its own
+    thread per device, not the thread that called ``backward()``: a compiled backward graph is
+    called there (an H200, torch 2.11: only the forward graphs were counted)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def _kind(kernel: str) -> str:

@@ -107,6 +107,18 @@ def stands_in(path: str) -> None:
     _STAND_INS.add(path)
 
 
+#: c10's warning for each synchronizing CUDA operation under ``set_sync_debug_mode("warn")``.
+#: Not the note ``set_sync_debug_mode`` itself gives once per process ("Synchronization debug
+#: mode is a prototype feature ..."): counting that one added a sync to the first meter of a
+#: process (torch 2.11 on an H200: stage 8's replayed rollout "made 1 sync").
+CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def is_cuda_sync_warning(message: str) -> bool:
+    """Is ``message`` CUDA's report of a synchronizing operation?"""
+    return message.startswith(CUDA_SYNC_WARNING)
+
+
 def call_site(skip: int = 0, internal: tuple[str, ...] = ()) -> str:
     """Where the current call comes from: the first frame outside this module, the files
     ``internal`` names (the caller's own module, say) and torch (``file:line (function)``),
@@ -290,13 +302,15 @@ class SyncMeter:
         self.sites: Counter[str] | None = Counter() if call_sites else None
         self.device_sites: Counter[str] | None = Counter() if call_sites else None
         self.cuda_syncs = 0
-        #: "file:line" -> count: where the Python code was when CUDA reported each sync (the
-        #: warning's frame; a sync in another thread, a logger's writer say, is counted too)
+        #: call site -> count: where the Python code was when CUDA reported each sync (the
+        #: first frame outside torch, as :func:`call_site` names it; a sync in another
+        #: thread, a logger's writer say, is counted too)
         self.cuda_sync_sites: Counter[str] = Counter()
         self._cuda_debug = cuda_debug and torch.cuda.is_available()
         self._by_device = device is not None and torch.device(device).type != "cpu"
         self._thread = threading.get_ident()
         self._flow = None
+        self._show_other = warnings.showwarning
 
     @property
     def host_reads(self) -> int:
@@ -317,6 +331,17 @@ class SyncMeter:
     def host_scalar_counts(self) -> Counter[str]:
         return self.counts - self.device_counts
 
+    def _cuda_warning(self, message, category, filename, lineno, file=None, line=None
+                      ) -> None:
+        """``warnings.showwarning`` while the CUDA sync debug mode is on: count each sync
+        CUDA reports, at the first frame outside torch (the warning's own frame is the
+        innermost Python one, often torch's); show any other warning as usual."""
+        if is_cuda_sync_warning(str(message)):
+            self.cuda_syncs += 1
+            self.cuda_sync_sites[call_site(skip=1, internal=(warnings.__file__,))] += 1
+        else:
+            self._show_other(message, category, filename, lineno, file, line)
+
     def is_device_tensor(self, t: torch.Tensor) -> bool:
         """Is a read of ``t`` a device read (a sync on a GPU)?"""
         if t.device.type != "cpu":
@@ -336,9 +361,12 @@ class SyncMeter:
                 _install()
             _active.append(self)
         if self._cuda_debug:
-            self._warn_ctx = warnings.catch_warnings(record=True)
-            self._caught = self._warn_ctx.__enter__()
+            self.cuda_syncs, self.cuda_sync_sites = 0, Counter()
+            self._warn_ctx = warnings.catch_warnings()
+            self._warn_ctx.__enter__()
             warnings.simplefilter("always")
+            self._show_other = warnings.showwarning
+            warnings.showwarning = self._cuda_warning  # restored by the context on exit
             self._old_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
         return self
@@ -346,9 +374,6 @@ class SyncMeter:
     def __exit__(self, *exc) -> None:
         if self._cuda_debug:
             torch.cuda.set_sync_debug_mode(self._old_mode)
-            syncs = [w for w in self._caught if "synchroniz" in str(w.message)]
-            self.cuda_syncs = len(syncs)
-            self.cuda_sync_sites = Counter(f"{w.filename}:{w.lineno}" for w in syncs)
             self._warn_ctx.__exit__(*exc)
         with _lock:
             _active.remove(self)

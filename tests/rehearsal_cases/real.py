@@ -227,9 +227,9 @@ def _worker(keys: list[str]) -> None:
             sys.exit(3)
 
 
-def _shard(keys: list[str], env: dict) -> list[dict]:
-    """Run ``keys`` in worker processes, a new one after each that ends early."""
-    results: list[dict] = []
+def _shard(keys: list[str], env: dict, results: list[dict]) -> None:
+    """Run ``keys`` in worker processes, a new one after each that ends early; each verdict
+    is appended to ``results`` as it comes (a run cut short keeps what it finished)."""
     left = list(keys)
     while left:
         proc = subprocess.Popen([sys.executable, "-m", "tests.rehearsal_cases.real",
@@ -254,7 +254,6 @@ def _shard(keys: list[str], env: dict) -> list[dict]:
             got = json.loads(line[len(_MARK):])
             results.append(got)
             left.remove(got["key"])
-    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,9 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     shards = [keys[i::args.workers] for i in range(args.workers)]
     from concurrent.futures import ThreadPoolExecutor
     env = dict(os.environ)
-    with ThreadPoolExecutor(args.workers) as pool:
-        results = [r for part in pool.map(lambda s: _shard(s, env), shards) for r in part]
-    results.sort(key=lambda r: list(_steps()).index(r["key"]))
+    results: list[dict] = []  # list.append is atomic: the shards' threads share it
+    pool = ThreadPoolExecutor(args.workers)
+    try:
+        list(pool.map(lambda s: _shard(s, env, results), shards))
+    except KeyboardInterrupt:  # timeout -s INT: write what was judged
+        print(f"interrupted: {len(results)} of {len(keys)} steps judged")
+    pool.shutdown(wait=False, cancel_futures=True)
+    results = sorted(results, key=lambda r: list(_steps()).index(r["key"]))
     if args.out:
         with open(args.out, "w") as f:
             for r in results:
