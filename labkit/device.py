@@ -62,6 +62,14 @@ def has_bf16(device: torch.device) -> bool:
     return device.type == "cpu" and cpu_bf16() is not None
 
 
+def convs_in_tf32(device: torch.device) -> bool:
+    """Does cuDNN run float32 convolutions on ``device`` as TF32 (a 10-bit mantissa)? torch's
+    default on GPUs that have TF32 (compute capability 8.0 and up):
+    ``torch.backends.cudnn.allow_tf32`` is True, while float32 matmuls stay full float32."""
+    return (device.type == "cuda" and torch.backends.cudnn.allow_tf32
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
 #: What :func:`cpu_bf16` looks for, as the start line says it when none is there.
 CPU_BF16 = "AVX-512 BF16 or AMX on x86, bf16 on Arm"
 

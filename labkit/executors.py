@@ -26,9 +26,11 @@ from .capture import CapturedStep, Stateful, tree_map
 
 
 def _tf32_choice_made() -> None:
-    """labkit's fp32 is torch's default fp32: float32 matmuls in full precision, not TF32, so
-    that every fp32 stage computes the same numbers and reduced precision enters the ladder in
-    one place, stage 7's bf16 (chapter 08). Inductor advises TF32 once per process on GPUs that
+    """labkit's fp32 is torch's default fp32: float32 matmuls in full precision, not TF32, and
+    reduced precision by choice enters the ladder in one place, stage 7's bf16 (chapter 08).
+    (torch's default lets cuDNN run float32 convolutions as TF32 on Ampere and newer, and
+    labkit keeps it: there eager and compiled stages differ by TF32's rounding,
+    ``labkit.precision.fp32_tolerance``.) Inductor advises TF32 once per process on GPUs that
     have it (sm >= 8.0), at the first fp32 compile; the choice is made, so that one message is
     silenced (at import, and again by each compiled executor, in case a ``catch_warnings``
     block around the import took the filter away). To run fp32 matmuls as TF32 anyway:
@@ -87,15 +89,23 @@ class Compiled(Eager):
     def wrap_model(self, fn: Any) -> Any:
         _tf32_choice_made()
         compiled = torch.compile(fn, fullgraph=True, mode=self.mode)
-        if self.mode != "reduce-overhead":
-            return compiled
+        return compiled if self.mode != "reduce-overhead" else _CopiedOutputs(compiled)
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            # reduce-overhead replays CUDA graphs whose outputs the next replay overwrites;
-            # callers keep some (each minibatch's loss statistics), so they get copies.
-            return tree_map(torch.clone, compiled(*args, **kwargs))
 
-        return call
+class _CopiedOutputs:
+    """A reduce-overhead compiled ``fn`` whose outputs are copies: it replays CUDA graphs whose
+    outputs the next replay overwrites, and callers keep some (each minibatch's loss
+    statistics). Any other attribute is ``fn``'s (a compiled module's ``value_head``: the
+    rollout denormalizes values through it)."""
+
+    def __init__(self, compiled: Callable) -> None:
+        self._compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return tree_map(torch.clone, self._compiled(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._compiled, name)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 
 from . import debug
-from .device import CPU_BF16, cpu_bf16, has_bf16
+from .device import CPU_BF16, convs_in_tf32, cpu_bf16, has_bf16
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -162,3 +162,33 @@ def agrees(agreement: dict[str, float]) -> bool:
     """``update_agreement``'s figures meet :data:`AGREEMENT`."""
     return agreement["cosine"] >= AGREEMENT["cosine"] \
         and agreement["relative_l2"] <= AGREEMENT["relative_l2"]
+
+
+#: How closely two float32 stages' outputs agree element-wise where they run the same float32
+#: (compiled kernels reorder float operations): the CPU, or a GPU whose convolutions run in
+#: full float32.
+FP32_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+#: ... where cuDNN runs float32 convolutions as TF32 (:func:`labkit.device.convs_in_tf32`,
+#: torch's default on Ampere and newer): eager and compiled stages pick different convolution
+#: kernels. Measured on an H200 (torch 2.11, ``python scripts/tf32_gap.py``): stage 4's and
+#: stage 5's rollout values at N=1024, T=128 differed by up to 3.8e-4 with TF32 convolutions
+#: and 4.2e-7 without. 5x the measured gap.
+TF32_TOLERANCE = {"rtol": 1e-2, "atol": 2e-3}
+
+
+def fp32_tolerance(device: torch.device) -> dict[str, float]:
+    """The element-wise tolerance two float32 stages' outputs on ``device`` meet."""
+    return TF32_TOLERANCE if convs_in_tf32(device) else FP32_TOLERANCE
+
+
+def fp32_updates_agree(start: Iterable[torch.Tensor], a: Iterable[torch.Tensor],
+                       b: Iterable[torch.Tensor], device: torch.device) -> bool:
+    """Do two float32 stages' parameters after the same update from ``start`` agree? Element
+    by element (:data:`FP32_TOLERANCE`) where they compute the same float32; where
+    convolutions run as TF32, Adam turns their small gradient differences into differences
+    as large as its own step in single parameters, so there the update as a whole is
+    compared, by the criterion reduced precision meets (:data:`AGREEMENT`)."""
+    a, b = list(a), list(b)
+    if convs_in_tf32(device):
+        return agrees(update_agreement(start, a, b))
+    return all(torch.allclose(x, y, **FP32_TOLERANCE) for x, y in zip(a, b, strict=True))

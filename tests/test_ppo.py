@@ -382,3 +382,23 @@ def test_the_production_stage_learns_in_bf16(tmp_path, monkeypatch):
     summary = train(cfg, tmp_path, progress=False)
     assert summary["precision"].startswith("bf16")
     assert summary["final_mean_return"] >= 12.0, summary
+
+
+def test_fp32_comparisons_follow_whether_convolutions_run_in_tf32(monkeypatch):
+    """Element-wise at FP32_TOLERANCE where the stages compute the same float32; where cuDNN
+    runs float32 convolutions as TF32 (forced here), a TF32-sized tolerance for outputs and
+    the update compared as a whole: a single parameter off by Adam's own step still agrees,
+    an update going another way does not."""
+    import labkit.precision as precision
+
+    cpu = torch.device("cpu")
+    assert precision.fp32_tolerance(cpu) == precision.FP32_TOLERANCE
+    start = [torch.zeros(1000)]
+    ref = [torch.full((1000,), 2.5e-4)]
+    one_off = [ref[0].clone()]
+    one_off[0][0] = -2.5e-4  # one parameter moved the other way by a full Adam step
+    assert not precision.fp32_updates_agree(start, ref, one_off, cpu)
+    monkeypatch.setattr(precision, "convs_in_tf32", lambda device: True)
+    assert precision.fp32_tolerance(cpu) == precision.TF32_TOLERANCE
+    assert precision.fp32_updates_agree(start, ref, one_off, cpu)
+    assert not precision.fp32_updates_agree(start, ref, [-ref[0]], cpu)

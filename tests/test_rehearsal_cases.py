@@ -132,11 +132,12 @@ def test_known_names_real_cases_and_outcomes() -> None:
 #: Steps where the recorded real capture (results/real_capture_cuda.jsonl) is not the expected
 #: verdict, and why the expected verdict stands.
 REAL_BLIND = {
-    "review:h02_py_count_norm": "the first judge fed the same input to every call, so a running "
-                                "mean's frozen weight multiplied a zero difference; it now "
-                                "scales the inputs per call",
     "review:h23_periodic_target_sync": "the hazard is a branch taken at the 100th call; the "
                                        "judge replays 3 times",
+    "cases:rebound-running_max": "the judge scales each call's inputs up, so each call's own "
+                                 "largest |obs| beats the peak carried over, the eager one and "
+                                 "the frozen one alike; they part once a call's inputs are "
+                                 "smaller than the last's",
 }
 
 

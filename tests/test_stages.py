@@ -582,3 +582,21 @@ def test_a_collector_refuses_an_env_it_cannot_step(stage, env, cpu):
     assert reason and f"cannot step {env}" in reason
     with pytest.raises(StageSkipped, match=f"cannot step {env}"):
         Pipeline(wrong, RunConfig(n_envs=2, n_steps=4), "cpu")
+
+
+def test_the_reduce_overhead_variant_runs_a_stage_and_collects_what_stage_5_does():
+    """Chapter 09's variant of a stage with ``Compiled(mode="reduce-overhead")`` executors: its
+    compiled policy keeps the module's attributes (the rollout reads ``value_head``), and its
+    rollout is stage 5's, bit for bit (on the CPU torch compiles it without CUDA graphs)."""
+    import dataclasses
+
+    from labkit.executors import Compiled
+
+    ro = Compiled(mode="reduce-overhead")
+    variant = dataclasses.replace(STAGES[5], name="reduce_overhead", rollout_executor=ro,
+                                  update_executor=ro)
+    with Pipeline(STAGES[5], RUN, CPU) as a, Pipeline(variant, RUN, CPU) as b:
+        ra, rb = a.collect().tensors(), b.collect().tensors()
+        for key in ("obs", "actions", "rewards", "dones"):
+            assert torch.equal(ra[key], rb[key]), key
+        assert b.policy.value_head is b.agent.value_head

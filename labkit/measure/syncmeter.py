@@ -112,6 +112,7 @@ def stands_in(path: str) -> None:
 #: mode is a prototype feature ..."): counting that one added a sync to the first meter of a
 #: process (torch 2.11 on an H200: stage 8's replayed rollout "made 1 sync").
 CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"
+CUDA_DEBUG_NOTE = "Synchronization debug mode is a prototype feature"
 
 
 def is_cuda_sync_warning(message: str) -> bool:
@@ -365,6 +366,7 @@ class SyncMeter:
             self._warn_ctx = warnings.catch_warnings()
             self._warn_ctx.__enter__()
             warnings.simplefilter("always")
+            warnings.filterwarnings("ignore", message=CUDA_DEBUG_NOTE)  # torch's, not a sync
             self._show_other = warnings.showwarning
             warnings.showwarning = self._cuda_warning  # restored by the context on exit
             self._old_mode = torch.cuda.get_sync_debug_mode()
