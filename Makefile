@@ -8,12 +8,12 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 STAMP := $(VENV)/.labkit-installed
 
-.PHONY: ladder test test-fast lab record report bench-env train lint clean
+.PHONY: ladder test test-fast lab book chromium record report bench-env train lint clean
 
 ladder: $(STAMP)  ## the main job: the ladder on the best device, table + JSON + PNG in results/
 	$(BIN)/python -m labkit ladder --out results
 
-test: $(STAMP)  ## unit tests + every notebook under nbval (CI's run), the 25 slowest listed
+test: $(STAMP) chromium  ## unit tests + every notebook under nbval + the book in a browser (CI's run), the 25 slowest listed
 	$(BIN)/python -m pytest --nbval --nbval-current-env \
 	    --nbval-sanitize-with tests/nbval_sanitize.cfg --durations=25 tests notebooks
 
@@ -22,6 +22,16 @@ test-fast: $(STAMP)  ## the inner loop, ~1 min on 2 cores: unit tests but the sl
 
 lab: $(STAMP)  ## JupyterLab on the notebooks
 	$(BIN)/jupyter lab notebooks
+
+book: $(STAMP)  ## the chapters as a static site from their stored outputs: build/book/index.html
+	$(BIN)/python -m labkit.book.site build/book
+
+# The browser the book's test opens pages in: Debian's Chromium, installed where missing and
+# allowed (root); never a browser downloaded by Playwright or Selenium Manager.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	    && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+	    || echo "chromium is not installed (apt-get install chromium): the book's browser test skips"
 
 record: $(STAMP)  ## re-record results and notebooks on this machine (see labkit/app/record.py)
 	$(BIN)/python -m labkit record
@@ -48,7 +58,7 @@ else
 	    $(BIN)/pip install "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX) \
 	    --extra-index-url https://pypi.org/simple
 endif
-	$(BIN)/pip install -e ".[dev,notebooks,gym,tensorboard,sb3,cleanrl]"
+	$(BIN)/pip install -e ".[dev,notebooks,gym,tensorboard,sb3,cleanrl,book]"
 	touch $@
 
 clean:
