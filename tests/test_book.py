@@ -69,6 +69,24 @@ def test_the_site_is_built_from_every_chapter_in_the_readme(served):
         assert not re.search(r'(?:src|href)="(?:https?:)?//', page.read_text()), page.name
 
 
+#: The most lines one stored output may have: about a screen. A longer report is split (one
+#: case per cell) or shown briefly (``show.source(obj, brief=True)``), with details a flag away.
+WALL = 60
+
+
+def test_no_stored_output_is_a_wall():
+    walls = []
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+                text = out.get("text") or out.get("data", {}).get("text/plain", "")
+                text = "".join(text) if isinstance(text, list) else text
+                if len(text.splitlines()) > WALL:
+                    walls.append(f"{path.stem} c{i}: {len(text.splitlines())} lines")
+    assert not walls, walls
+
+
 def _expected(stem: str) -> dict:
     """What the page must show: the notebook's code cells, image outputs, and a line of each
     text output (its first non-blank line, whitespace collapsed)."""

@@ -16,6 +16,20 @@ def test_source_and_diff_come_from_the_package():
     assert "\n-class SyncLogger" in d and "\n+class AsyncLogger" in d
 
 
+def test_a_brief_source_is_the_signature_and_docstring_and_says_what_it_left_out():
+    from labkit.capture import CapturedStep
+    from labkit.timing import amdahl_sps
+
+    full, brief = source(CapturedStep), source(CapturedStep, brief=True)
+    head, _, rest = full.partition('    """\n')
+    assert brief.startswith(head + '    """\n')
+    left = len(full.splitlines()) - len(brief.splitlines()) + 1
+    assert brief.endswith(f"    ...  # {left} more lines in labkit/capture.py\n")
+    assert "def __call__" in rest and "def __call__" not in brief
+    text = source(amdahl_sps, brief=True)
+    assert text.splitlines()[-1].startswith("    ...  # ") and "return" not in text
+
+
 def test_changed_slots_and_stage_table():
     assert set(changed_slots(STAGES[6], STAGES[7])) == {"optimizer", "precision"}
     assert set(changed_slots(STAGES[3], STAGES[4])) == {"logger"}

@@ -2,10 +2,12 @@
 stages, and host reads laid out for reading."""
 from __future__ import annotations
 
+import ast
 import difflib
 import html
 import inspect
 import re
+import textwrap
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -25,13 +27,26 @@ def _target(obj: Any) -> Any:
     return type(obj)
 
 
-def source(obj: Any) -> str:
+def source(obj: Any, brief: bool = False) -> str:
     """The source of ``obj`` (a class, function, method, or component object), headed by
-    where it lives: ``# labkit/rollout.py: DeviceCollector``."""
+    where it lives: ``# labkit/rollout.py: DeviceCollector``. ``brief``: only its signature
+    and docstring, and how many lines follow (for a helper whose body is not the lesson)."""
     target = _target(obj)
     module = inspect.getmodule(target)
     path = (module.__name__.replace(".", "/") + ".py") if module else "?"
-    return f"# {path}: {target.__qualname__}\n" + inspect.getsource(target)
+    text = inspect.getsource(target)
+    if brief:
+        lines = text.splitlines()
+        tree = ast.parse(textwrap.dedent(text)).body[0]
+        doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) \
+            and isinstance(tree.body[0].value, ast.Constant) else None
+        end = doc.end_lineno if doc is not None else tree.body[0].lineno - 1
+        if end < len(lines):
+            body = next(ln for ln in lines[end:] if ln.strip())
+            indent = " " * (len(body) - len(body.lstrip()))
+            text = "\n".join([*lines[:end], f"{indent}...  # {len(lines) - end} more lines in "
+                                             f"{path}"]) + "\n"
+    return f"# {path}: {target.__qualname__}\n" + text
 
 
 def diff(before: Any, after: Any, context: int = 2) -> str:
