@@ -79,3 +79,17 @@ def test_helpers_name_what_is_missing_in_empty_or_foreign_input(call, name):
     from labkit.book import plots, show
     with pytest.raises(ValueError, match=rf"^{name} takes "):
         call(plots, show)
+
+
+def test_provenance_names_device_torch_commit_date_and_the_method():
+    import torch
+
+    from labkit.book.show import provenance
+    from labkit.config import BenchConfig
+    from labkit.device import git_commit
+
+    line = provenance(torch.device("cpu"))
+    assert line.startswith("measured on ") and f"torch {torch.__version__}" in line
+    assert f"at commit {git_commit()}, 20" in line and "\n" not in line
+    method = provenance(torch.device("cpu"), BenchConfig(iterations=4)).splitlines()[1]
+    assert method.startswith("method: ") and "then 4 rounds" in method

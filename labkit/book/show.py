@@ -49,6 +49,25 @@ def source(obj: Any, brief: bool = False) -> str:
     return f"# {path}: {target.__qualname__}\n" + text
 
 
+def provenance(device: Any, bench: Any = None) -> str:
+    """The line a chapter's measured outputs carry: the device, its threads, torch, labkit's
+    commit and the date (``device.run_metadata``, the block every results file holds). With a
+    ``labkit.config.BenchConfig``, a second line states how each stage row is timed."""
+    from ..device import run_metadata
+
+    meta = run_metadata(device)
+    line = (f"measured on {meta['device_name']} ({meta['device']}, {meta['torch_threads']} "
+            f"threads), torch {meta['torch']}, labkit {meta['labkit']} at commit "
+            f"{meta['git_commit']}, {meta['date'][:10]}")
+    if bench is not None:
+        line += (f"\nmethod: each stage is built and runs one iteration off the clock (compiles,"
+                 f" captures, warms caches; its effects undone), then {bench.iterations} rounds"
+                 f" of one plain and one phase-marked iteration, interleaved with the other "
+                 f"stages in the table; env steps/s are the min, median and max over the plain "
+                 f"ones, the phases come from the marked ones")
+    return line
+
+
 def diff(before: Any, after: Any, context: int = 2) -> str:
     """A unified diff of two objects' sources: what one component changes against another."""
     a, b = source(before).splitlines(), source(after).splitlines()
