@@ -93,3 +93,24 @@ def test_provenance_names_device_torch_commit_date_and_the_method():
     assert f"at commit {git_commit()}, 20" in line and "\n" not in line
     method = provenance(torch.device("cpu"), BenchConfig(iterations=4)).splitlines()[1]
     assert method.startswith("method: ") and "then 4 rounds" in method
+
+
+def test_ladder_bar_labels_clear_the_error_bars_and_a_skipped_note_stays_inside():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from labkit.book.plots import ladder_bars
+
+    rows = [{"stage": 0, "name": "a", "n_envs": 32, "status": "ok", "sps": 100.0,
+             "sps_spread": [90.0, 100.0, 130.0]},
+            {"stage": 1, "name": "b", "n_envs": 32, "status": "ok", "sps": 1000.0,
+             "sps_spread": [950.0, 1000.0, 1010.0]},
+            {"stage": 8, "name": "c", "n_envs": 32, "status": "skipped: needs CUDA"}]
+    ax = ladder_bars({"ladder": rows, "meta": {"device_name": "x", "torch": "t"}})
+    labels = {t.get_text(): t for t in ax.texts}
+    assert labels["100"].xy[1] == 130.0 and labels["1,000"].xy[1] == 1010.0
+    assert ax.get_ylim()[1] > 1010.0 * 1.3  # headroom above the highest label
+    ax.figure.canvas.draw()
+    note = labels["skipped: needs CUDA"].get_window_extent()
+    box = ax.get_window_extent()
+    assert box.x0 <= note.x0 and note.x1 <= box.x1 and box.y0 <= note.y0 and note.y1 <= box.y1

@@ -49,14 +49,21 @@ def ladder_bars(result: dict, ax=None):
     ax.set_xticks(range(len(rows)), names, rotation=30, ha="right")
     ax.set_ylabel("env steps / s (PPO iteration)")
     ax.set_title(f"The ladder, N={rows[0]['n_envs']} — {_title(result)}")
+    tops = []
     for i, r in enumerate(rows):
         if r.get("status") == "ok":
+            top = max(r.get("sps_spread") or [r["sps"]])  # above the error bar, not on it
+            tops.append(top)
             ax.annotate(f"{r['sps']:,.0f}" + (" noisy" if r.get("noisy") else ""),
-                        (i, r["sps"]), ha="center", va="bottom", fontsize=8)
-        else:  # "skipped: needs CUDA" or "error: ...", wrapped to the bar's width
-            label = textwrap.shorten(r["status"], 60, placeholder=" …")
-            ax.annotate(textwrap.fill(label, 14), (i, 0.05), xycoords=("data", "axes fraction"),
+                        (i, top), xytext=(0, 3), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=8)
+        else:  # "skipped: needs CUDA" or "error: ...", up the empty slot, inside the axes
+            label = textwrap.shorten(r["status"], 40, placeholder=" …")
+            ax.annotate(label, (i, 0.04), xycoords=("data", "axes fraction"), rotation=90,
                         ha="center", va="bottom", fontsize=8, color="gray")
+    if tops:  # headroom for the labels on the log axis
+        low, _ = ax.get_ylim()
+        ax.set_ylim(low, max(tops) * 1.35)
     ax.set_xlim(-0.6, len(rows) - 0.4)  # room for a last stage that has no bar
     ax.figure.tight_layout()
     return ax
