@@ -146,6 +146,7 @@ class Forage:
     (-1); items respawn on a random free cell; episodes are truncated after
     ``episode_length`` steps and reset in the same step. Grids are flat and padded with walls
     by ``view // 2``, so a move is an addition and the egocentric view is one gather. The
+    next episode's layout is built ahead, a draw or two per step, so a reset is a swap. The
     state is updated in place (a CUDA graph replays these very tensors)."""
 
     def __init__(self, args: Args, device: torch.device) -> None:
@@ -169,6 +170,8 @@ class Forage:
         self.item_kinds = kinds[kinds != AGENT].to(device)
         self.agent_draw = args.n_walls
         self.draws = torch.arange(len(kinds), device=device)
+        self.draw_kinds = kinds.to(device)
+        self.per_step = -(-len(kinds) // args.episode_length)  # draws built ahead per step
         self.env = torch.arange(n, device=device)
         self.seed = torch.tensor(args.seed, dtype=torch.int64, device=device)
         self.episode = torch.zeros(n, dtype=torch.int64, device=device)
@@ -176,11 +179,14 @@ class Forage:
         self.grid = torch.empty(n, rows * cols, dtype=torch.int8, device=device)
         self.pos = torch.zeros(n, dtype=torch.int64, device=device)
         self.episode_return = torch.zeros(n, dtype=torch.float32, device=device)
+        self.next_grid, self.next_pos = torch.empty_like(self.grid), torch.zeros_like(self.pos)
+        self.next_free = torch.empty(n, self.cells.numel(), dtype=torch.bool, device=device)
         self.reset()
 
     def state(self) -> list[torch.Tensor]:
         """The tensors a snapshot must save (everything ``step`` changes)."""
-        return [self.episode, self.t, self.grid, self.pos, self.episode_return]
+        return [self.episode, self.t, self.grid, self.pos, self.episode_return,
+                self.next_grid, self.next_pos, self.next_free]
 
     def free_cell(self, grid, pos, episode, step) -> torch.Tensor:
         """The k-th free cell of each env, k from the hash: a placement without a branch."""
@@ -201,6 +207,22 @@ class Forage:
         grid.scatter_(1, self.cells[taken[:, self.item_draws]], self.item_kinds.expand(n, -1))
         return grid, self.cells[taken[:, self.agent_draw]]
 
+    def build_ahead(self) -> None:
+        """This step's draws of the next episode's layout: the draws ``new_episodes`` makes,
+        spread over the episode (draw ``t * per_step + j``); past the last draw, nothing."""
+        n_cells, n_draws = self.cells.numel(), len(self.draw_kinds)
+        for j in range(self.per_step):
+            d = self.t * self.per_step + j
+            todo, d = d < n_draws, d.clamp(max=n_draws - 1)
+            h = hash32(self.seed, self.env, self.episode + 1, 0, d)
+            col = kth_free(self.next_free, h % (n_cells - d)).clamp(max=n_cells - 1)
+            col, cell, kind = col.unsqueeze(1), self.cells[col], self.draw_kinds[d]
+            self.next_free.scatter_(1, col, self.next_free.gather(1, col) & ~todo.unsqueeze(1))
+            item = (todo & (kind != AGENT)).unsqueeze(1)
+            self.next_grid.scatter_(1, cell.unsqueeze(1), torch.where(
+                item, kind.unsqueeze(1), self.next_grid.gather(1, cell.unsqueeze(1))))
+            self.next_pos.copy_(torch.where(todo & (kind == AGENT), cell, self.next_pos))
+
     def observation(self) -> torch.Tensor:
         cells = self.grid.gather(1, self.pos.unsqueeze(1) + self.window)
         obs = cells.unsqueeze(1) == self.channel_kinds.view(1, -1, 1)
@@ -213,12 +235,15 @@ class Forage:
         self.pos.copy_(pos)
         self.t.zero_()
         self.episode_return.zero_()
+        self.next_grid.copy_(self.base.expand_as(self.next_grid))
+        self.next_free.fill_(True)
         return self.observation()
 
     def step(self, actions: torch.Tensor):
         """-> (obs, reward, done, episode_return, episode_length); the last two are 0 where
         no episode ended."""
         grid, pos = self.grid, self.pos
+        self.build_ahead()
         target = pos + self.deltas[actions]
         cell = grid.gather(1, target.unsqueeze(1)).squeeze(1)
         moved = cell != WALL
@@ -235,10 +260,11 @@ class Forage:
         done = self.t == self.args.episode_length
         episode_return = torch.where(done, self.episode_return, 0.0)
         episode_length = torch.where(done, self.t, 0)
-        self.episode += done  # same-step reset, computed for all envs, kept where done
-        new_grid, new_pos = self.new_episodes(self.episode)
-        grid.copy_(torch.where(done.unsqueeze(1), new_grid, grid))
-        pos.copy_(torch.where(done, new_pos, pos))
+        self.episode += done  # same-step reset: swap the built-ahead layout in where done
+        grid.copy_(torch.where(done.unsqueeze(1), self.next_grid, grid))
+        pos.copy_(torch.where(done, self.next_pos, pos))
+        self.next_grid.copy_(torch.where(done.unsqueeze(1), self.base, self.next_grid))
+        self.next_free.masked_fill_(done.unsqueeze(1), True)
         self.t.masked_fill_(done, 0)
         self.episode_return.masked_fill_(done, 0.0)
         return self.observation(), reward, done, episode_return, episode_length

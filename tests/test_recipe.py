@@ -47,7 +47,10 @@ def test_the_recipe_imports_nothing_from_labkit():
     text = PATH.read_text()
     assert "labkit" not in "".join(line for line in text.splitlines()
                                    if line.startswith(("import ", "from ")))
-    assert 200 < len(text.splitlines()) < 600  # one readable file, every Args field explained
+    # One readable file, every Args field explained. The cap was 600; it is 650 on purpose
+    # since the env builds the next layout ahead (26 lines, 1.8x the env's steps/s at N=256):
+    # the file readers copy should not carry the cost the package removed.
+    assert 200 < len(text.splitlines()) < 650
 
 
 def test_the_env_is_bit_exact_with_forage_torch(cpu):
@@ -119,3 +122,21 @@ def test_cli_parses_into_args():
     args = recipe.parse_args(["--total-steps", "1000", "--n-envs", "4", "--no-compile"])
     assert (args.total_steps, args.n_envs, args.compile, args.lr) == (1000, 4, False, 2.5e-4)
     assert args.n_iterations == 1000 // (4 * 32)
+
+
+def test_the_recipes_env_step_rehearses_as_a_capturable_step(cpu):
+    """The built-ahead layout keeps the recipe's env step capturable (static shapes, no host
+    read, state in place): labkit's rehearsal of a CUDA-graph capture on the CPU, over enough
+    calls that episodes end inside the replays, finds nothing, and the replays compute what
+    eager calls of a second env compute."""
+    from labkit.doctor.rehearsal import rehearsal, rehearse
+
+    args, _ = _configs("cpu", n_envs=8, episode_length=4)
+    actions = torch.tensor([1, 2, 3, 4, 0, 1, 2, 3])
+    with rehearsal():
+        env = recipe.Forage(args, cpu)
+        report = rehearse(env.step, actions, replays=3)
+    assert report.ok, str(report)
+    twin = recipe.Forage(args, cpu)
+    outs = [twin.step(actions) for _ in range(3 + 3)]  # the warm-up calls, then the replays
+    assert all(torch.equal(a, b) for a, b in zip(report.outputs, outs[-1]))
