@@ -278,9 +278,11 @@ class ForageTorch:
 
     # --------------------------------------------------------------------- the step
 
-    def observation(self) -> torch.Tensor:
-        window = self._window.index_select(0, self.pos) if self._window is not None else \
-            self._interior[self._cells[self.pos].unsqueeze(1) + self._window_offsets]
+    def observation(self, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """The (N, 3, view, view) observations, around ``pos`` (default: the agents')."""
+        pos = self.pos if pos is None else pos
+        window = self._window.index_select(0, pos) if self._window is not None else \
+            self._interior[self._cells[pos].unsqueeze(1) + self._window_offsets]
         cells = self.lanes[:, 0].gather(1, window)
         obs = torch.empty(self.n_envs, *self.spec.obs_shape, dtype=torch.float32,
                           device=self.device)
@@ -358,7 +360,12 @@ class ForageTorch:
         info = {"episode_return": torch.where(truncated, self.episode_return, self._zero_f),
                 "episode_length": torch.where(truncated, t, self._zero)}
         if self.final_obs:
-            info["final_observation"] = self.observation()
+            # The agents' cells found in the grid, not read from ``pos``: the same cells, but
+            # torch 2.11's inductor fuses this read of ``pos`` with the walk's write into one
+            # kernel that reads it before the write (a compiled step's final observations
+            # were taken from before the move; tests/test_envs.py, torch 2.13 is right).
+            agent = self.lanes[:, 0, :self._n_cells] == AGENT_CELL
+            info["final_observation"] = self.observation(agent.to(torch.int8).argmax(1))
         ended = truncated.unsqueeze(1)
         ended8 = ended.to(torch.int8)
         here.add_((self.lanes[:, 1] - here).mul_(ended8))
