@@ -387,3 +387,21 @@ def test_only_cudas_sync_reports_count_as_syncs_at_the_callers_line():
     (site,) = m.cuda_sync_sites
     assert "test_syncmeter.py" in site and "(test_only_cudas_sync_reports" in site
     assert ["prototype feature" in str(w.message) for w in shown] == [True]
+
+
+def test_a_cuda_sync_is_counted_by_every_enclosing_meter():
+    import warnings
+
+    from labkit.measure import syncmeter
+
+    outer, inner = SyncMeter(), SyncMeter()
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        outer._show_other, warnings.showwarning = warnings.showwarning, outer._cuda_warning
+        inner._show_other, warnings.showwarning = warnings.showwarning, inner._cuda_warning
+        warnings.warn(syncmeter.CUDA_SYNC_WARNING, stacklevel=1)
+        warnings.warn("something else", stacklevel=1)
+    assert (outer.cuda_syncs, inner.cuda_syncs) == (1, 1)
+    assert list(outer.cuda_sync_sites) == list(inner.cuda_sync_sites)
+    assert "test_syncmeter.py" in next(iter(outer.cuda_sync_sites))
+    assert [str(w.message) for w in shown] == ["something else"]

@@ -337,10 +337,12 @@ class SyncMeter:
         """``warnings.showwarning`` while the CUDA sync debug mode is on: count each sync
         CUDA reports, at the first frame outside torch (the warning's own frame is the
         innermost Python one, often torch's); show any other warning as usual."""
-        if is_cuda_sync_warning(str(message)):
+        sync = is_cuda_sync_warning(str(message))
+        if sync:
             self.cuda_syncs += 1
             self.cuda_sync_sites[call_site(skip=1, internal=(warnings.__file__,))] += 1
-        else:
+        if not sync or isinstance(getattr(self._show_other, "__self__", None), SyncMeter):
+            # any other warning is shown as usual; a sync, to an enclosing meter too
             self._show_other(message, category, filename, lineno, file, line)
 
     def is_device_tensor(self, t: torch.Tensor) -> bool:
