@@ -5,7 +5,7 @@ import json
 import pytest
 
 from labkit.app.cli import main
-from labkit.measure.updatebench import VARIANTS
+from labkit.measure.updatebench import CPU_VARIANTS, VARIANTS
 
 
 @pytest.mark.slow
@@ -15,14 +15,15 @@ def test_every_variant_is_timed_at_every_size_and_written(tmp_path, capsys):
     result = json.loads((tmp_path / "bench_update_cpu.json").read_text())
     rows = result["rows"]
     assert [(r["minibatch"], r["executor"], r["precision"]) for r in rows] == [
-        (n, ex, prec) for n in (64, 128) for ex, prec in VARIANTS]
+        (n, ex, prec) for n in (64, 128) for ex, prec in VARIANTS + CPU_VARIANTS]
     assert all(r["threads"] == 1 and len(r["samples_ms"]) == 2 for r in rows)
     assert all(r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["median_ms"] > 0
                for r in rows)
     assert [r["x_eager_fp32"] for r in rows if r["executor"] == "eager"
             and r["precision"] == "fp32"] == [1.0, 1.0]
     out = capsys.readouterr().out
-    assert "compiled bf16" in out and out.rstrip().endswith("bench_update_cpu.json")
+    assert "compiled bf16" in out and "compiled/256b fp32" in out
+    assert out.rstrip().endswith("bench_update_cpu.json")
 
 
 @pytest.mark.parametrize("sizes", [["4096:x"], ["0"], ["3:-2"], ["64:0"]])
