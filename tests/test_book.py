@@ -123,6 +123,9 @@ _MEASURE = """() => {
   const wide = [...document.querySelectorAll('pre, table')]
     .filter(e => e.scrollWidth > e.clientWidth + 1 || e.getBoundingClientRect().right > width + 1)
     .filter(e => !scrolls(e)).map(e => e.outerHTML.slice(0, 120));
+  const broken = [...document.querySelectorAll('.jp-OutputArea-output pre')]
+    .filter(e => getComputedStyle(e).wordBreak === 'break-all'
+                 || getComputedStyle(e).whiteSpace !== 'pre').length;
   const blank = [...document.querySelectorAll('.jp-OutputArea-output')]
     .filter(e => !e.innerText.trim() && !e.querySelector('img, svg, canvas'))
     .map(e => e.outerHTML.slice(0, 120));
@@ -131,7 +134,7 @@ _MEASURE = """() => {
     code: document.querySelectorAll('.jp-CodeCell').length,
     images: document.querySelectorAll('.jp-OutputArea-output img').length,
     broken: [...document.images].filter(i => !i.complete || i.naturalWidth === 0).length,
-    wide, blank, text: document.body.innerText.replace(/\\s+/g, ' '),
+    wide, blank, wrapped: broken, text: document.body.innerText.replace(/\\s+/g, ' '),
     links: [...document.querySelectorAll('a')].map(a => a.getAttribute('href')),
   };
 }"""
@@ -140,8 +143,9 @@ _MEASURE = """() => {
 def test_every_page_shows_its_notebook_to_a_reader_in_chromium(served):
     """Each page loads with no console error and no request to another host; shows as many
     code cells and images as its notebook, every image loaded, each text output's first line;
-    no code block or table wider than the page without its own scroll; no blank output; every
-    chapter reachable from the index."""
+    no code block or table wider than the page without its own scroll; output lines as
+    printed (never broken mid-word); no blank output; every chapter reachable from the
+    index."""
     sync_playwright = _browser_or_skip()
     out, base = served
     stems = [stem for stem, _ in site.chapters()]
@@ -192,6 +196,8 @@ def test_every_page_shows_its_notebook_to_a_reader_in_chromium(served):
             if seen["pageWidth"] > seen["width"] + 1 or seen["wide"]:
                 problems.append(f"{where} wider than the page ({seen['pageWidth']} > "
                                 f"{seen['width']}): {seen['wide'][:2]}")
+            if seen["wrapped"]:
+                problems.append(f"{where} {seen['wrapped']} outputs wrap their lines (mid-word)")
             if seen["blank"]:
                 problems.append(f"{where} blank outputs {seen['blank'][:2]}")
             for neighbour in ("index.html",):

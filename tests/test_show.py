@@ -91,8 +91,10 @@ def test_provenance_names_device_torch_commit_date_and_the_method():
     line = provenance(torch.device("cpu"))
     assert line.startswith("measured on ") and f"torch {torch.__version__}" in line
     assert f"at commit {git_commit()}, 20" in line and "\n" not in line
-    method = provenance(torch.device("cpu"), BenchConfig(iterations=4)).splitlines()[1]
+    lines = provenance(torch.device("cpu"), BenchConfig(iterations=4)).splitlines()
+    method = " ".join(line.strip() for line in lines[1:])
     assert method.startswith("method: ") and "then 4 rounds" in method
+    assert max(map(len, lines[1:])) <= 92
 
 
 def test_ladder_bar_labels_clear_the_error_bars_and_a_skipped_note_stays_inside():

@@ -52,7 +52,7 @@ def source(obj: Any, brief: bool = False) -> str:
 def provenance(device: Any, bench: Any = None) -> str:
     """The line a chapter's measured outputs carry: the device, its threads, torch, labkit's
     commit and the date (``device.run_metadata``, the block every results file holds). With a
-    ``labkit.config.BenchConfig``, a second line states how each stage row is timed."""
+    ``labkit.config.BenchConfig``, then how each stage row is timed (wrapped at 92 columns)."""
     from ..device import run_metadata
 
     meta = run_metadata(device)
@@ -60,11 +60,12 @@ def provenance(device: Any, bench: Any = None) -> str:
             f"threads), torch {meta['torch']}, labkit {meta['labkit']} at commit "
             f"{meta['git_commit']}, {meta['date'][:10]}")
     if bench is not None:
-        line += (f"\nmethod: each stage is built and runs one iteration off the clock (compiles,"
-                 f" captures, warms caches; its effects undone), then {bench.iterations} rounds"
-                 f" of one plain and one phase-marked iteration, interleaved with the other "
-                 f"stages in the table; env steps/s are the min, median and max over the plain "
-                 f"ones, the phases come from the marked ones")
+        method = (f"method: each stage is built and runs one iteration off the clock "
+                  f"(compiles, captures, warms caches; its effects undone), then "
+                  f"{bench.iterations} rounds of one plain and one phase-marked iteration, "
+                  f"interleaved with the other stages in the table; env steps/s are the min, "
+                  f"median and max over the plain ones, the phases come from the marked ones")
+        line += "\n" + textwrap.fill(method, 92, subsequent_indent="  ")
     return line
 
 

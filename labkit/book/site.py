@@ -34,6 +34,8 @@ main { max-width: 1100px; margin: 0 auto; padding: 0 16px 48px; }
 /* a long line scrolls in its own box, never wider than the page, never clipped */
 .jp-InputArea, .jp-InputArea-editor { overflow-x: auto; }
 .jp-OutputArea-output, .jp-RenderedText { overflow-x: auto; max-width: 100%; }
+/* output lines as printed: the lab theme breaks them anywhere, mid-word included */
+.jp-OutputArea-output pre { white-space: pre; word-break: normal; }
 .jp-RenderedHTMLCommon table { display: block; overflow-x: auto; max-width: 100%; }
 .jp-RenderedImage img { max-width: 100%; height: auto; }
 """
