@@ -65,6 +65,10 @@ def test_the_site_is_built_from_every_chapter_in_the_readme(served):
     assert all((out / f"{stem}.html").stat().st_size > 0 for stem in stems)
     text = (out / "index.html").read_text()
     assert all(f'href="{stem}.html"' in text for stem in stems)
+    titles = [site.title(nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", as_version=4), stem)
+              for stem in stems]  # each chapter by its own heading
+    assert all(t in text and "(" not in t and "`" not in t for t in titles)
+    assert f"<p>{len(stems)} chapters" in text
     for page in out.glob("*.html"):  # nothing to fetch from elsewhere, written or linked
         assert not re.search(r'(?:src|href)="(?:https?:)?//', page.read_text()), page.name
 

@@ -74,16 +74,25 @@ def _inline(markdown: str) -> str:
     return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(markdown, quote=False))
 
 
-def _title(stem: str) -> str:
+def title(nb: dict, stem: str) -> str:
+    """A chapter's title: its first ``# `` heading, less a trailing parenthesis and code marks
+    (``# 01 — The Python loop (stage 0, `python_loop`)`` -> ``01 — The Python loop``); else
+    its file name's words."""
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "markdown":
+            for line in "".join(cell.get("source", "")).splitlines():
+                if line.startswith("# "):
+                    return re.sub(r"\s*\([^)]*\)$", "", line[2:]).replace("`", "").strip()
     number, _, words = stem.partition("_")
-    return f"{number} · {words.replace('_', ' ').capitalize()}"
+    return f"{number} — {words.replace('_', ' ').capitalize()}"
 
 
-def _nav(stems: list[str], i: int) -> str:
-    prev = (f'<a href="{stems[i - 1]}.html">← {_title(stems[i - 1])}</a>'
-            if i > 0 else "<span></span>")
-    nxt = (f'<a href="{stems[i + 1]}.html">{_title(stems[i + 1])} →</a>'
-           if i + 1 < len(stems) else "<span></span>")
+def _nav(stems: list[str], titles: dict[str, str], i: int) -> str:
+    link = '<a href="{}.html">{}</a>'
+    prev = link.format(stems[i - 1], f"← {html.escape(titles[stems[i - 1]])}") if i > 0 \
+        else "<span></span>"
+    nxt = link.format(stems[i + 1], f"{html.escape(titles[stems[i + 1]])} →") \
+        if i + 1 < len(stems) else "<span></span>"
     return f'<nav class="book-nav">{prev}<a href="index.html">Contents</a>{nxt}</nav>'
 
 
@@ -97,8 +106,8 @@ def provenance(metadata: dict) -> str:
             f"{html.escape(str(stamp.get('date', '?'))[:10])}.")
 
 
-def _index(rows: list[tuple[str, str]]) -> str:
-    items = "\n".join(f'<tr><td><a href="{stem}.html">{_title(stem)}</a></td>'
+def _index(rows: list[tuple[str, str]], titles: dict[str, str]) -> str:
+    items = "\n".join(f'<tr><td><a href="{stem}.html">{html.escape(titles[stem])}</a></td>'
                       f"<td>{_inline(question)}</td></tr>" for stem, question in rows)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -115,8 +124,8 @@ code {{ font-family: ui-monospace, monospace; font-size: 90%; }}
 </style></head>
 <body>
 <h1>labkit: a PPO training loop, from a Python loop to a GPU-native pipeline</h1>
-<p>Twelve chapters, each timed live where it was recorded. Every page shows the outputs its
-notebook stores; run a chapter yourself with <code>make lab</code>.</p>
+<p>{len(rows)} chapters, each timed live where it was recorded. Every page shows the outputs
+its notebook stores; run a chapter yourself with <code>make lab</code>.</p>
 <table>
 {items}
 </table>
@@ -135,18 +144,20 @@ def build(out: Path, notebooks: Path = NOTEBOOKS, readme: Path = ROOT / "README.
     exporter = HTMLExporter(template_name="lab", template_file="book.html.j2",
                             extra_loaders=[jinja2.DictLoader({"book.html.j2": _TEMPLATE})])
     out.mkdir(parents=True, exist_ok=True)
+    nbs = {stem: nbformat.read(notebooks / f"{stem}.ipynb", as_version=4) for stem in stems}
+    titles = {stem: title(nb, stem) for stem, nb in nbs.items()}
     pages = []
     for i, stem in enumerate(stems):
-        nb = nbformat.read(notebooks / f"{stem}.ipynb", as_version=4)
-        nb.metadata["title"] = f"{_title(stem)} · labkit"
+        nb = nbs[stem]
+        nb.metadata["title"] = f"{titles[stem]} · labkit"
         body, _ = exporter.from_notebook_node(nb, resources={"book": {
-            "css": _CSS, "nav": _nav(stems, i), "provenance": provenance(nb.metadata)}})
+            "css": _CSS, "nav": _nav(stems, titles, i), "provenance": provenance(nb.metadata)}})
         # links between chapters point at their pages
         body = re.sub(r'href="(?:\./)?(\d\d_\w+)\.ipynb', r'href="\1.html', body)
         page = out / f"{stem}.html"
         page.write_text(body, encoding="utf-8")
         pages.append(page)
-    (out / "index.html").write_text(_index(rows), encoding="utf-8")
+    (out / "index.html").write_text(_index(rows, titles), encoding="utf-8")
     return [out / "index.html", *pages]
 
 
