@@ -24,6 +24,13 @@ def test_every_variant_is_timed_at_every_size_and_written(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "compiled bf16" in out and "compiled/256b fp32" in out
     assert out.rstrip().endswith("bench_update_cpu.json")
+    # its compiles are dropped: left, they counted towards dynamo's recompile limit, and the
+    # next fullgraph compile of the loss in the process (a stage's, say) failed
+    import torch
+
+    from labkit.measure.updatebench import _steps
+    from labkit.ppo import PPOConfig
+    _steps(96, torch.device("cpu"), PPOConfig())["compiled", "bf16"]()
 
 
 @pytest.mark.parametrize("sizes", [["4096:x"], ["0"], ["3:-2"], ["64:0"]])

@@ -76,7 +76,10 @@ def _steps(n: int, device: torch.device, cfg: PPOConfig) -> dict[tuple[str, str]
 def bench_update(device: torch.device, sizes: list[tuple[int, int]], rounds: int = 5) -> dict:
     """Each (minibatch, threads) of ``sizes``: every variant warmed up (compiled; twice),
     then timed ``rounds`` times, the variants interleaved in each round. Threads are set on
-    the CPU only (and restored)."""
+    the CPU only (and restored). At the end ``torch.compiler.reset()`` drops the compiles it
+    made: each size, precision and set of compile options is another cache entry of the one
+    code object dynamo keeps them on for every compiled ``partial``, and past its recompile
+    limit (8) the next ``fullgraph`` compile of the loss in the process (a stage's) failed."""
     rows, cfg, saved = [], PPOConfig(), torch.get_num_threads()
     try:
         for n, threads in sizes:
@@ -99,6 +102,7 @@ def bench_update(device: torch.device, sizes: list[tuple[int, int]], rounds: int
                              "x_eager_fp32": reference / median})
     finally:
         torch.set_num_threads(saved)
+        torch.compiler.reset()
     return {"meta": run_metadata(device), "rounds": rounds, "rows": rows}
 
 
