@@ -96,7 +96,7 @@ def _nav(stems: list[str], titles: dict[str, str], i: int) -> str:
     return f'<nav class="book-nav">{prev}<a href="index.html">Contents</a>{nxt}</nav>'
 
 
-def provenance(metadata: dict) -> str:
+def _recorded(metadata: dict) -> str:
     """The line each page starts with: where its stored outputs were recorded."""
     stamp = metadata.get("labkit") or {}
     if not stamp:
@@ -151,7 +151,7 @@ def build(out: Path, notebooks: Path = NOTEBOOKS, readme: Path = ROOT / "README.
         nb = nbs[stem]
         nb.metadata["title"] = f"{titles[stem]} · labkit"
         body, _ = exporter.from_notebook_node(nb, resources={"book": {
-            "css": _CSS, "nav": _nav(stems, titles, i), "provenance": provenance(nb.metadata)}})
+            "css": _CSS, "nav": _nav(stems, titles, i), "provenance": _recorded(nb.metadata)}})
         # links between chapters point at their pages
         body = re.sub(r'href="(?:\./)?(\d\d_\w+)\.ipynb', r'href="\1.html', body)
         page = out / f"{stem}.html"
