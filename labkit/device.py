@@ -102,15 +102,21 @@ def _arm_bf16() -> bool:
 
 @contextlib.contextmanager
 def deterministic() -> Iterator[None]:
-    """Inside: cuDNN picks deterministic algorithms and does not autotune, so running the same
-    code twice gives bit-identical results on a GPU too (cuDNN's default backward convolution
-    may add in a different order from run to run); the previous settings after. On the CPU,
-    labkit's kernels are deterministic anyway."""
+    """Inside: cuDNN picks deterministic algorithms and does not autotune, and inductor compiles
+    in its deterministic mode, so running the same code twice (a resumed run in a new process
+    too) gives bit-identical results on a GPU: cuDNN's default backward convolution may add in
+    a different order from run to run, and inductor otherwise picks each reduction kernel's
+    block sizes by timing them, so a process that compiles anew under other load may sum in
+    another order (the H200's CUDA tests, ``results/GPU-RUNS.md``). The previous settings after.
+    On the CPU, labkit's kernels are deterministic anyway."""
+    import torch._inductor.config as inductor
+
     cudnn = torch.backends.cudnn
     saved = cudnn.deterministic, cudnn.benchmark
     cudnn.deterministic, cudnn.benchmark = True, False
     try:
-        yield
+        with inductor.patch(deterministic=True):
+            yield
     finally:
         cudnn.deterministic, cudnn.benchmark = saved
 
