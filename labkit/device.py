@@ -107,8 +107,8 @@ def deterministic() -> Iterator[None]:
     too) gives bit-identical results on a GPU: cuDNN's default backward convolution may add in
     a different order from run to run, and inductor otherwise picks each reduction kernel's
     block sizes by timing them, so a process that compiles anew under other load may sum in
-    another order (the H200's CUDA tests, ``results/GPU-RUNS.md``). The previous settings after.
-    On the CPU, labkit's kernels are deterministic anyway."""
+    another order. The previous settings after. On the CPU, labkit's kernels are deterministic
+    anyway."""
     import torch._inductor.config as inductor
 
     cudnn = torch.backends.cudnn

@@ -222,8 +222,9 @@ def test_fused_optimizer_state_restores_in_place(cpu):
 @pytest.mark.cuda
 @pytest.mark.parametrize("stage", ["fused_amp", "cuda_graphs"])
 def test_resume_is_bit_identical_on_cuda(tmp_path, stage):
-    """``deterministic()`` as a GPU user's resume needs it: without inductor's deterministic
-    mode, a failure among 6 test processes sharing the H200 and its compile cache (2026-11-26)."""
+    """Under ``deterministic()``, as a GPU user's bit-identical resume needs it (the
+    cuda_graphs case once differed on the H200 with cuDNN alone made deterministic, among 6
+    test processes and 8 chapters sharing the GPU; results/GPU-RUNS.md)."""
     if get_stage(stage).skip_reason(torch.device("cuda")):
         pytest.skip(get_stage(stage).skip_reason(torch.device("cuda")))
     cfg = small_config(stage=stage, device="cuda")

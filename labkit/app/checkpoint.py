@@ -10,7 +10,9 @@ the field: missing, truncated, a flipped byte, another format, missing keys, non
 parameters.
 
 Not saved: an fp16 ``GradScaler``'s scale (GPUs without bf16 only), which re-calibrates within a
-few steps after a resume, so such a resumed run is not bit-identical.
+few steps after a resume, so such a resumed run is not bit-identical. On a GPU, a resumed run is
+bit-identical to an uninterrupted one when both run inside :func:`labkit.device.deterministic`
+(cuDNN's and inductor's choices made the same way each time).
 """
 from __future__ import annotations
 
