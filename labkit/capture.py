@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .device import synchronize
 from .timing import timed
 
 WARMUP_CALLS = 3
@@ -86,11 +87,22 @@ class Stateful(Protocol):
 def warmup(pipeline) -> float:
     """Run one iteration of ``pipeline`` off the clock, then restore the state from before it;
     return its seconds (synchronized). Compilation, graph capture and cuDNN autotuning happen
-    here, and the timed iterations compute what an un-warmed run would."""
+    here, and the timed iterations compute what an un-warmed run would. Then a stage that
+    compiles only where it pays times eager against compiled (``pipeline.choose_executors``,
+    also off the clock and undone)."""
     saved = pipeline.state_dict()
     elapsed, _ = timed(pipeline.iteration, pipeline.device)
     pipeline.load_state_dict(saved)
+    pipeline.choose_executors()
     return elapsed
+
+
+def timed_phases(pipeline) -> dict[str, float]:
+    """Milliseconds per phase of one ``pipeline.iteration()`` (its ``PhaseClock``)."""
+    pipeline.clock.start()
+    pipeline.iteration()
+    synchronize(pipeline.device)
+    return pipeline.clock.stop()
 
 
 def side_stream_warmup(fn: Callable[[], object], calls: int = WARMUP_CALLS) -> None:

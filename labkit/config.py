@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 PROFILES = ("quick", "full", "tiny")
+COMPILE_CHOICES = ("auto", "compiled", "eager")
 
 
 def default_profile(device: torch.device) -> str:
@@ -48,6 +49,11 @@ class RunConfig:
     lr_horizon: int = 1000
     """Iterations over which the LR anneals linearly to 0 (when ``ppo.anneal_lr``). A training
     run sets it to its own length, as CleanRL does."""
+    compile: str = "auto"
+    """How the stages that compile only where it pays (fused_amp) run their model math: auto
+    (time eager against compiled at warmup; keep compiled unless eager is faster by more than
+    the spread), compiled or eager (forced: a reproducible choice). Stages 5-6 always compile;
+    0-4 never do."""
     spec: ForageSpec = field(default_factory=ForageSpec)
     """The environment."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
@@ -64,6 +70,9 @@ class RunConfig:
                              f"got {self.value_head!r}")
         check_body(self.model)
         check_int("lr_horizon", self.lr_horizon, 1)
+        if self.compile not in COMPILE_CHOICES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_CHOICES)}; got "
+                             f"{self.compile!r}")
         check_type("spec", self.spec, ForageSpec)
         check_type("ppo", self.ppo, PPOConfig)
         self.ppo.check_batch(self.n_envs, self.n_steps)

@@ -43,7 +43,7 @@ from .config import RunConfig, memory_shortfall
 from .device import has_bf16, resolve_device
 from .distributed import SINGLE, Group
 from .envs import ForageNumpy, ForagePyList, ForageTorch, ForageTorchLoop
-from .executors import Compiled, Eager, Executor, Graphed
+from .executors import Choice, Compiled, CompiledIfFaster, Eager, Executor, Graphed, choose
 from .logging import AsyncLogger, SyncLogger
 from .metrics import DeviceEpisodeStats, EagerEpisodeStats
 from .policy import Agent, sample_action
@@ -207,13 +207,14 @@ def _ladder() -> tuple[Stage, ...]:
     s6 = replace(s5, index=6, name="gpu_metrics", lesson="aggregate metrics on the device",
                  chapter="07_metrics_on_the_device", metrics=DeviceEpisodeStats)
     s7 = replace(s6, index=7, name="fused_amp", lesson="fused Adam and grad clip, mixed precision",
-                 chapter="08_fused_optimizers_and_amp", optimizer=FusedAdam(), precision=amp)
+                 chapter="08_fused_optimizers_and_amp", optimizer=FusedAdam(), precision=amp,
+                 rollout_executor=CompiledIfFaster(), update_executor=CompiledIfFaster())
     s8 = replace(s7, index=8, name="cuda_graphs",
                  lesson="replay rollout step and update as CUDA graphs",
                  chapter="09_cuda_graphs",
                  optimizer=FusedAdam(capturable=True),
-                 rollout_executor=Graphed(s7.rollout_executor),
-                 update_executor=Graphed(s7.update_executor, requires=("cuda", "bf16")))
+                 rollout_executor=Graphed(s5.rollout_executor),
+                 update_executor=Graphed(s5.update_executor, requires=("cuda", "bf16")))
     return (s0, s1, s2, s3, s4, s5, s6, s7, s8)
 
 
@@ -362,10 +363,18 @@ class Pipeline:
         self._step = stage.rollout_executor.wrap_step(self.collector.step, state=self,
                                              generator=self.generator,
                                              after_replay=partial(self.clock.lap, "graph"))
-        self.ppo_update = build_update(
+        self.ppo_update, loss = build_update(
             agent=self.agent, optimizer=self.optimizer,
             clip_grad=group.average_grads(stage.optimizer.clip_grad), precision=self.precision,
             executor=stage.update_executor, cfg=cfg.ppo, generator=self.generator, state=self)
+        #: The parts whose executor keeps compiled or eager, whichever pays (stage 7), and
+        #: what each kept and why (``choose_executors``, or ``cfg.compile`` when forced).
+        self.choices = {part: fn for part, fn in (("rollout", self.policy), ("update", loss))
+                        if isinstance(fn, Choice)}
+        self.executor_choices: dict[str, dict] = {}
+        if self.choices and cfg.compile != "auto":
+            self.keep_choices({part: {"kept": cfg.compile, "why": f"compile={cfg.compile}"}
+                               for part in self.choices})
         self.global_step = 0
         self.iteration_index = 0
         self._initial = self.state_dict()
@@ -413,6 +422,40 @@ class Pipeline:
     def iteration(self) -> dict[str, float | torch.Tensor]:
         """One PPO iteration: rollout of T steps x N envs, GAE, update."""
         return self.learn(self.rollout())
+
+    # ------------------------------------------------------------------ executors
+
+    def choose_executors(self) -> dict[str, dict]:
+        """Time eager against compiled for each part not yet decided (``labkit.executors.
+        choose``: off the clock, the state restored) and keep the faster; what each part kept,
+        why, and both timings. Run once the compiled code has compiled
+        (``labkit.capture.warmup`` calls it)."""
+        undecided = {p: c for p, c in self.choices.items() if p not in self.executor_choices}
+        if undecided:
+            self.executor_choices.update(choose(self, undecided))
+        return self.executor_choices
+
+    def keep_choices(self, made: dict[str, dict]) -> None:
+        """Keep what ``made`` says each part keeps (a resumed run's saved choices: the same
+        kernels, the same numbers)."""
+        unknown = set(made) - set(self.choices)
+        if unknown:
+            raise ValueError(f"this stage chooses nothing for {', '.join(sorted(unknown))}")
+        for part, record in made.items():
+            self.choices[part].keep(record["kept"])
+        self.executor_choices.update(made)
+
+    def model_math(self) -> dict[str, str]:
+        """What runs the model math of each part: "eager", "compiled", "graphed compiled", ...
+        (a choosing part: what it keeps now)."""
+        def kind(part: str, executor: Any) -> str:
+            if part in self.choices:
+                return self.choices[part].kept
+            if isinstance(executor, Graphed):
+                return "graphed " + kind("", executor.base)
+            return "compiled" if isinstance(executor, Compiled) else "eager"
+        return {"rollout": kind("rollout", self.stage.rollout_executor),
+                "update": kind("update", self.stage.update_executor)}
 
     # ------------------------------------------------------------------ state
 

@@ -59,12 +59,13 @@ def test_config_flags_take_help_and_defaults_from_the_config_fields():
         docs = field_docs(cls)
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         for name in ("stage", "device", "total_steps", "checkpoint_every", "n_envs", "n_steps",
-                     "seed", "value_head"):
+                     "seed", "value_head", "compile"):
             if name in docs:
                 assert train[name].help.replace("%%", "%") == \
                     f"{docs[name]} (default: {defaults[name]})"
                 assert train[name].default is None  # unset: the config's (or resumed run's)
     assert train["value_head"].choices == ("plain", "popart")
+    assert train["compile"].choices == ("auto", "compiled", "eager")
 
 
 def test_one_exit_mapper_maps_every_way_a_command_ends(monkeypatch, capsys):

@@ -23,7 +23,7 @@ from labkit.policy import Agent, ValueHead
 from labkit.stages import Pipeline, get_stage
 
 CPU = torch.device("cpu")
-RUN = RunConfig(n_envs=8, n_steps=8)
+RUN = RunConfig(n_envs=8, n_steps=8, compile="compiled")  # as the doctor runs its own
 
 #: The chapter whose notebook teaches each plant's fix.
 CHAPTERS = {

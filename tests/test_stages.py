@@ -12,6 +12,7 @@ from labkit.capture import tree_tensors, warmup
 from labkit.config import BenchConfig, RunConfig
 from labkit.device import has_bf16
 from labkit.envs import ForageSpec
+from labkit.executors import Compiled, CompiledIfFaster
 from labkit.measure.bench import measure_stage, run_ladder
 from labkit.measure.syncmeter import SyncMeter
 from labkit.ppo import PPOConfig
@@ -58,10 +59,15 @@ def test_each_stage_differs_from_the_previous_by_its_lesson():
     assert len({s.name for s in STAGES}) == 9
     for prev, cur in zip(STAGES, STAGES[1:]):
         changed = {k for k, v in cur.components().items() if prev.components()[k] != v}
-        # stage 8 captures both steps, and a captured optimizer step must be capturable
-        assert 1 <= len(changed) <= 2 or (cur.name, changed) == (
-            "cuda_graphs", {"optimizer", "rollout_executor", "update_executor"}), \
+        # stage 8 captures both steps, and a captured optimizer step must be capturable;
+        # stage 7, the production stage, also keeps compile only where it pays (stage 5
+        # always compiles: it teaches compile)
+        assert 1 <= len(changed) <= 2 or (cur.name, changed) in (
+            ("cuda_graphs", {"optimizer", "rollout_executor", "update_executor"}),
+            ("fused_amp", {"optimizer", "precision", "rollout_executor", "update_executor"})), \
             (cur.name, changed)
+    assert isinstance(get_stage("fused_amp").update_executor, CompiledIfFaster)
+    assert type(get_stage("compile_warmup").update_executor) is Compiled
 
 
 def test_a_stage_holds_components_only():

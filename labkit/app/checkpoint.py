@@ -27,6 +27,7 @@ import torch
 
 from ..capture import tree_map
 from ..files import atomic_write
+from ..executors import KINDS, PART_PHASE
 from ..stages import PipelineState
 
 FORMAT = 3
@@ -109,6 +110,13 @@ def check(payload: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
                               f"{payload['device']!r}") from None
     if not isinstance(payload["wall_s"], (int, float)) or not math.isfinite(payload["wall_s"]):
         raise CheckpointError(f"{path}: field 'wall_s' must be a finite number")
+    choices = payload.get("executor_choices", {})  # absent before compile choices existed
+    if not isinstance(choices, dict) or not all(
+            part in PART_PHASE and isinstance(made, dict) and made.get("kept") in KINDS
+            for part, made in choices.items()):
+        raise CheckpointError(f"{path}: field 'executor_choices' must map "
+                              f"{' or '.join(PART_PHASE)} to {{'kept': "
+                              f"{' or '.join(map(repr, KINDS))}, ...}}; got {choices!r:.200}")
     for part in ("agent", "optimizer"):
         bad = _first_non_finite(state[part], f"state.{part}")
         if bad:

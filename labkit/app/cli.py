@@ -32,14 +32,15 @@ from .flags import (
 def _planted(args: argparse.Namespace) -> tuple:
     """The doctor's and the rehearsal's stage (with --plant's regression) and run config."""
     from ..config import RunConfig
+    from ..doctor.checkup import DOCTOR_COMPILE
     from ..doctor.plants import plant
 
     chosen = plant(args.stage, args.plant) if args.plant else args.stage
-    return chosen, RunConfig(n_envs=args.n_envs, n_steps=args.n_steps)
+    return chosen, RunConfig(n_envs=args.n_envs, n_steps=args.n_steps, compile=DOCTOR_COMPILE)
 
 
 TRAIN_OPTIONS = ("stage", "device", "n_envs", "n_steps", "total_steps", "seed", "value_head",
-                 "model", "checkpoint_every")
+                 "model", "compile", "checkpoint_every")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -144,7 +145,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_train(sub) -> None:
-    from ..config import RunConfig
+    from ..config import COMPILE_CHOICES, RunConfig
     from ..policy import BODIES, VALUE_HEADS
     from .train import TrainConfig
 
@@ -158,6 +159,7 @@ def _add_train(sub) -> None:
     field_flag(p, RunConfig, "seed", non_negative_int)
     field_flag(p, RunConfig, "value_head", str, choices=VALUE_HEADS)
     field_flag(p, RunConfig, "model", str, choices=BODIES)
+    field_flag(p, RunConfig, "compile", str, choices=COMPILE_CHOICES)
     field_flag(p, TrainConfig, "checkpoint_every", non_negative_int)
     p.add_argument("--out", type=path, default=None,
                    help="run folder (default: a new runs/train-<date>-<time>)")

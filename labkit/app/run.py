@@ -391,7 +391,7 @@ def _read_metrics(path: Path, keep_through: int) -> list[dict]:
 #: config.json on these is another run's; on any other field (the run's length, its checkpoint
 #: interval) the config.json was edited, which a resume refuses too.
 SAME_RUN = ("stage", "run.n_envs", "run.n_steps", "run.seed", "run.value_head", "run.model",
-            "run.spec", "run.ppo", "world_size")
+            "run.compile", "run.spec", "run.ppo", "world_size")
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -27,8 +27,10 @@ from typing import Any
 import torch
 
 from .. import debug
+from ..capture import warmup
 from ..device import parse_device, resolve_device
 from ..distributed import SINGLE, Group, current, join, leave, parameter_checksum
+from ..executors import describe_choice
 from ..files import FolderLock, describe_os_error
 from ..logging import AsyncLogger, SyncLogger, TensorBoardSink, quiet_thread_os_errors
 from ..signals import raise_if_stopped, signals_deferred, signum_of, stop_signals
@@ -281,6 +283,7 @@ class _Session:
                 self.lock.check()
             payload = {"config": self.cfg.to_dict(), "device": str(self.device),
                        "threads": torch.get_num_threads(),
+                       "executor_choices": self.pipe.executor_choices,
                        "wall_s": self.state_wall, "state": self.state.to_dict()}
             if self.group.world > 1:
                 payload["ranks"] = parts
@@ -340,6 +343,8 @@ class _Session:
         return {
             "stage": self.cfg.stage, "device": str(self.device),
             "precision": self.pipe.precision.describe(),
+            "model_math": self.pipe.model_math(),
+            "executor_choices": self.pipe.executor_choices,
             "threads": torch.get_num_threads(),
             "complete": end == self.cfg.n_iterations, "iterations": end, "steps": end * spi,
             "world_size": self.group.world,
@@ -368,6 +373,29 @@ def _load(pipe: Pipeline, saved: dict, group: Group, ckpt_path: Path) -> None:
                                          f"config ({type(err).__name__}: {err})") from None
 
 
+def _choose_executors(pipe: Pipeline, saved: dict | None, group: Group) -> None:
+    """Settle what a stage that compiles only where it pays keeps: a resumed run keeps what
+    its checkpoint says (the same kernels, the same numbers); otherwise a warmup times eager
+    against compiled (off the clock, undone; a forced ``compile`` needs none). Under torchrun
+    every rank keeps rank 0's choice."""
+    if saved is not None and saved.get("executor_choices"):
+        pipe.keep_choices(saved["executor_choices"])
+    elif set(pipe.choices) - set(pipe.executor_choices):
+        warmup(pipe)
+    if group.world > 1 and pipe.choices:
+        pipe.keep_choices(group.broadcast(pipe.executor_choices))
+
+
+def start_line(cfg: TrainConfig, pipe: Pipeline) -> str:
+    """What a run prints as it starts: the stage, device, precision and, where the stage
+    chooses, what runs its model math and why."""
+    line = f"train: {cfg.stage} on {pipe.device}, {pipe.precision.describe()}"
+    made = pipe.executor_choices
+    if made:
+        line += "; " + "; ".join(describe_choice(part, m) for part, m in made.items())
+    return line
+
+
 def _show(bar: Any, record: dict, steps: int) -> None:
     bar.update(steps)
     if record["episodes"]:
@@ -385,6 +413,7 @@ def _run(run: Run, progress: bool, stop_after: int | None,
         pipe = resources.enter_context(build_pipeline(cfg, run.device, group))
         if run.saved is not None:
             _load(pipe, run.saved, group, run.checkpoint_path)
+        _choose_executors(pipe, run.saved, group)
         run.keep_metrics()
         session = _Session(cfg, run.out, run.device, group, pipe, run.saved, run.kept, start)
         session.lock = run.lock
@@ -394,6 +423,8 @@ def _run(run: Run, progress: bool, stop_after: int | None,
             total=cfg.n_iterations * steps, initial=start * steps, unit="step",
             unit_scale=True, desc=f"train {cfg.stage} {pipe.precision}",
             disable=not (progress and group.is_main)))
+        if progress and group.is_main:
+            bar.write(start_line(cfg, pipe))
         session.t_start = time.perf_counter()
         try:
             for it in range(start, end):

@@ -74,17 +74,25 @@ from .report import KINDS, Finding, Report
 
 #: The sizes the doctor runs at unless given a RunConfig: small, it only counts.
 DOCTOR_RUN = dict(n_envs=16, n_steps=16)
+#: How the doctor's own configs run a stage that compiles where it pays: compiled, so that
+#: what it counts does not depend on a timing taken at warmup.
+DOCTOR_COMPILE = "compiled"
 
 
 _BASELINES: dict[tuple, tuple[dict, dict]] = {}
 
 
-def _baseline_ops(twin: Stage, cfg: RunConfig, device: torch.device) -> tuple[dict, dict]:
+def _baseline_ops(twin: Stage, cfg: RunConfig, device: torch.device,
+                  choices: dict[str, dict]) -> tuple[dict, dict]:
     """The watched counts of one rollout and one learn of the clean stage ``twin`` at the same
-    sizes (cached per process)."""
-    key = (twin.name, str(device), repr(cfg.to_dict()))
+    sizes, its model math eager or compiled as ``choices`` (the diagnosed pipeline's) say
+    (cached per process)."""
+    kept = {part: made["kept"] for part, made in choices.items()}
+    key = (twin.name, str(device), repr(cfg.to_dict()), repr(sorted(kept.items())))
     if key not in _BASELINES:
         with Pipeline(twin, cfg, device) as clean:
+            clean.keep_choices({part: {"kept": kind, "why": "the diagnosed pipeline's"}
+                                for part, kind in kept.items() if part in clean.choices})
             warmup(clean)
             _BASELINES[key] = watched(clean)
     return _BASELINES[key]
@@ -106,7 +114,7 @@ def diagnose(target: Pipeline | Stage | int | str, iterations: int = 5,
         stage, cfg, device = target.stage, target.cfg, target.device
     else:
         stage, device = get_stage(target), resolve_device(device)
-        cfg = cfg if cfg is not None else RunConfig(**DOCTOR_RUN)
+        cfg = cfg if cfg is not None else RunConfig(**DOCTOR_RUN, compile=DOCTOR_COMPILE)
     report = Report(stage.name, str(device), cfg.n_envs, cfg.n_steps, iterations)
     if not isinstance(target, Pipeline):
         try:
@@ -217,7 +225,8 @@ def _judge(pipe: Pipeline, m: Measurements, report: Report, iterations: int,
     findings += memory_findings(m.snaps, parts, phase_ms, it_ms)
     twin = without_graphs(STAGES[pipe.stage.index])  # the clean stage, judged the same way
     if baseline:
-        base = m.watch if pipe.stage == twin else _baseline_ops(twin, cfg, device)
+        base = m.watch if pipe.stage == twin else _baseline_ops(twin, cfg, device,
+                                                                pipe.executor_choices)
         findings += excess_findings(m.watch, base, cfg, parts, phase_ms, it_ms)
         findings += launch_findings(m.watch, base, parts,
                                     optimizer_kind(pipe.optimizer, device))

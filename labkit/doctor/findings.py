@@ -17,7 +17,7 @@ import torch
 from .. import capture, policy, ppo, precision, stages, timing, update
 from ..config import RunConfig
 from ..envs import ForagePyList, ForageTorchLoop
-from ..executors import Graphed
+from ..executors import Compiled, CompiledIfFaster, Graphed
 from ..measure.syncmeter import parse_site, short_path, source_line
 from ..rollout import HostBatchedCollector, PerEnvCollector
 from ..stages import STAGES, Pipeline, Stage
@@ -43,7 +43,9 @@ def _ladder_fixes() -> tuple[dict[type, str], dict[str, str]]:
     for prev, stage in zip(ladder, ladder[1:]):
         for slot, part in stage.components().items():
             old = prev.components()[slot]
-            if part != old:
+            # stage 7 keeps stage 5's compile only where it pays: still chapter 06's lesson
+            refined = type(old) is Compiled and isinstance(part, CompiledIfFaster)
+            if part != old and not refined:
                 by_component[_component_class(old)] = stage.chapter
                 by_slot[slot] = stage.chapter
     return by_component, by_slot

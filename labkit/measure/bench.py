@@ -30,6 +30,7 @@ import torch
 from ..capture import warmup
 from ..config import BenchConfig, RunConfig, available_memory, memory_estimate
 from ..device import run_metadata, synchronize
+from ..executors import describe_choice
 from ..policy import flops_per_sample
 from ..ppo import Batch
 from ..signals import raise_if_stopped, signum_of
@@ -216,6 +217,9 @@ def _build(stage: Stage, run: RunConfig, device: torch.device, row: dict) -> Pip
         if pipe.precision.why:  # a component chose it on this device: the reason, printed
             row["precision_why"] = pipe.precision.why
         row["warmup_s"] = warmup(pipe)
+        row["model_math"] = pipe.model_math()
+        if pipe.executor_choices:  # what a stage that compiles where it pays kept, and why
+            row["executor_choices"] = pipe.executor_choices
         mem, row["mem_kind"] = _peak_memory(device)
         row["peak_mem_mb"] = mem - base / 2**20
         return pipe
@@ -477,6 +481,13 @@ def ladder_notes(result: dict) -> str:
     chosen = {(r["precision"], r["precision_why"]) for r in result["ladder"]
               if r.get("precision_why")}
     lines += [f"precision {name}: {why}" for name, why in sorted(chosen)]
+    if any(r.get("model_math") for r in result["ladder"]):
+        lines.append("math: the model math of the rollout/update, e eager, c compiled, g "
+                     "replayed in a CUDA graph; * kept by timing both at warmup")
+    lines += [f"model math, {r['stage']} {r['name']}: "
+              + "; ".join(describe_choice(part, made) for part, made in
+                          r["executor_choices"].items())
+              for r in result["ladder"] if r.get("executor_choices")]
     if result.get("interrupted"):
         lines.append(f"PARTIAL: interrupted by {result['interrupted']}; what is not listed did "
                      "not run")

@@ -16,8 +16,10 @@ import time
 import numpy as np
 import torch
 
+from ..capture import warmup
 from ..config import RunConfig
 from ..device import run_metadata
+from ..executors import describe_choice
 from ..envs import ForageNumpy, ForageTorch
 from ..policy import HIDDEN, N_ACTIONS, layer_init
 from ..stages import Pipeline, get_stage
@@ -124,7 +126,7 @@ def bench_sb3(cfg: RunConfig, stage: str | int, iterations: int = 3, rounds: int
         model = _sb3_model(cfg, _vec_env(cfg.n_envs, cfg, env_class))
         model.learn(cfg.n_envs * cfg.n_steps)  # imports, first calls, allocator: off the clock
         with Pipeline(get_stage(stage), cfg, "cpu") as pipe:
-            pipe.iteration()  # compiles where the stage compiles: off the clock
+            warmup(pipe)  # compiles (and keeps compile where it pays): off the clock
             for _ in range(rounds):
                 start = time.perf_counter()
                 model.learn(steps, reset_num_timesteps=False)
@@ -134,6 +136,7 @@ def bench_sb3(cfg: RunConfig, stage: str | int, iterations: int = 3, rounds: int
                     pipe.iteration()
                 times["labkit"].append(time.perf_counter() - start)
             name, precision = pipe.stage.name, pipe.precision.describe()
+            math, made = pipe.model_math(), pipe.executor_choices
     finally:
         used = torch.get_num_threads()
         torch.set_num_threads(saved)
@@ -142,7 +145,7 @@ def bench_sb3(cfg: RunConfig, stage: str | int, iterations: int = 3, rounds: int
     rows[1]["x_sb3"] = rows[1]["sps"] / rows[0]["sps"]
     rows[0]["x_sb3"] = 1.0
     return {"meta": run_metadata(torch.device("cpu")), "stage": name, "precision": precision,
-            "env": env_class.__name__, "threads": used, "iterations": iterations, "rounds": rounds,
+            "model_math": math, "executor_choices": made, "env": env_class.__name__, "threads": used, "iterations": iterations, "rounds": rounds,
             "run": cfg.to_dict(), "rows": rows}
 
 
@@ -163,6 +166,9 @@ def format_table(result: dict) -> str:
         f"{result['meta']['device_name']} (cpu), {result['threads']} thread(s), torch "
         f"{result['meta']['torch']}; {result['rounds']} interleaved rounds of "
         f"{result['iterations']} iterations each",
+        *(["labkit's model math: " + "; ".join(
+            describe_choice(part, made) for part, made in result["executor_choices"].items())]
+          if result.get("executor_choices") else []),
         f"same work: {result['env']} x {run['n_envs']} envs, seed {run['seed']}, "
         f"T={run['n_steps']}; "
         f"conv body and linear heads; {p['update_epochs']} epochs x {p['n_minibatches']} "

@@ -110,6 +110,20 @@ def _count(key: str, spec: str = "g") -> Callable[[dict], str]:
     return lambda r: MISSING if r.get(key) is None else f"{r[key]:{spec}}"
 
 
+#: Short names of what runs the model math, for the ladder's "math" column.
+_MATH = {"eager": "e", "compiled": "c", "graphed eager": "ge", "graphed compiled": "gc"}
+
+
+def _math(r: dict) -> str:
+    """``e/c``: the rollout's model math eager, the update's compiled (``*``: chosen by timing
+    at warmup); "" for a row recorded before the column existed."""
+    math = r.get("model_math")
+    if not math:
+        return ""
+    chosen = "*" if r.get("executor_choices") else ""
+    return "/".join(_MATH.get(math[p], math[p]) for p in ("rollout", "update")) + chosen
+
+
 def _noise(r: dict) -> str:
     return "noisy" if r.get("noisy") else ""
 
@@ -139,6 +153,7 @@ LADDER = Table((
     Column("% ceil", "% of ceiling", _pct("frac_of_ceiling"), 6),
     Column("% peak", "% of peak", _pct("frac_of_peak", ".2f"), 6),
     Column("precision", "precision", lambda r: r["precision"], 9, left=True),
+    Column("math", "model math (rollout/update)", lambda r: _math(r), 7, left=True),
     _NOISE,
 ), keys=3)
 

@@ -1,0 +1,217 @@
+"""Compile only where it pays: ``CompiledIfFaster`` (stage 7's executors) times eager against
+compiled at warmup and keeps the faster; a run's ``compile`` forces either; a resumed run keeps
+what its checkpoint says.
+
+The rule is tested on a stand-in pipeline whose phase times are scripted; the plumbing on real
+pipelines whose "compiled" twin is the eager function itself (a CPU compile takes a minute and
+is not what these tests are about; ``tests/test_stages.py`` runs the real stage)."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from labkit.app import checkpoint, train as train_module
+from labkit.app.train import TrainConfig, start_line, train
+from labkit.capture import warmup
+from labkit.config import RunConfig
+from labkit.envs import ForageSpec
+from labkit.executors import CHOICE_ROUNDS, Choice, CompiledIfFaster, choose, describe_choice
+from labkit.stages import Pipeline, get_stage
+
+SPEC = ForageSpec(episode_length=20)
+
+
+# ---------------------------------------------------------------- the rule
+
+
+class _Clock:
+    def __init__(self, owner: _Scripted) -> None:
+        self.owner = owner
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> dict[str, float]:
+        return self.owner.last
+
+
+class _Scripted:
+    """A pipeline whose iteration reports scripted phase times for the kind its choices keep,
+    and counts how its state is saved and restored."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, ms: dict[str, dict[str, list[float]]]) -> None:
+        self.choices = {part: Choice(lambda: "eager", lambda: "compiled") for part in ms}
+        self.ms = {part: {k: itertools.cycle(v) for k, v in kinds.items()}
+                   for part, kinds in ms.items()}
+        self.clock = _Clock(self)
+        self.kinds: list[str] = []
+        self.state, self.restored = 0, []
+        self.last: dict[str, float] = {}
+
+    def iteration(self) -> None:
+        kinds = {c.kept for c in self.choices.values()}
+        assert len(kinds) == 1  # every part eager, or every part compiled
+        kind = kinds.pop()
+        self.kinds.append(kind)
+        phase = {"rollout": "policy", "update": "update"}
+        self.last = {phase[p]: next(self.ms[p][kind]) for p in self.choices}
+        self.state += 1
+
+    def state_dict(self) -> int:
+        return self.state
+
+    def load_state_dict(self, state: int) -> None:
+        self.restored.append(state)
+        self.state = state
+
+
+@pytest.mark.parametrize("eager, compiled, kept", [
+    ([10, 11, 12], [20, 21, 22], "eager"),          # faster by more than the spread
+    ([10, 25, 12], [20, 21, 22], "compiled"),       # the spreads overlap: compiled stays
+    ([30, 31, 32], [20, 21, 22], "compiled"),       # compiled faster
+    ([20, 20, 20], [20, 20, 20], "compiled"),       # a tie
+])
+def test_compiled_is_kept_unless_eager_is_faster_by_more_than_the_spread(eager, compiled, kept):
+    pipe = _Scripted({"update": {"eager": eager, "compiled": compiled}})
+    made = choose(pipe, pipe.choices)
+    assert made["update"]["kept"] == kept == pipe.choices["update"].kept
+    assert len(made["update"]["eager_ms"]) == len(made["update"]["compiled_ms"]) == CHOICE_ROUNDS
+    # one untimed eager iteration, then rounds of both kinds, the order alternating
+    assert pipe.kinds[0] == "eager"
+    rounds = [pipe.kinds[1 + 2 * r: 3 + 2 * r] for r in range(CHOICE_ROUNDS)]
+    assert all(sorted(r) == ["compiled", "eager"] for r in rounds)
+    assert rounds[0] != rounds[1]
+    # every iteration undone: the state is the one before
+    assert pipe.state == 0 and pipe.restored == [0] * (1 + 2 * CHOICE_ROUNDS)
+
+
+def test_each_part_is_decided_by_its_own_phase():
+    pipe = _Scripted({"rollout": {"eager": [5, 6], "compiled": [9, 8]},
+                      "update": {"eager": [50, 52], "compiled": [40, 41]}})
+    made = choose(pipe, pipe.choices)
+    assert (made["rollout"]["kept"], made["update"]["kept"]) == ("eager", "compiled")
+    assert made["rollout"]["phase"] == "policy"
+    text = describe_choice("rollout", made["rollout"])
+    assert text.startswith("rollout eager (policy ") and "compiled; medians of 5" in text
+
+
+def test_a_choice_runs_what_it_keeps_and_shares_the_eager_function_s_attributes():
+    agent = torch.nn.Linear(2, 1)
+    choice = Choice(agent, lambda x: "compiled")
+    assert choice(torch.zeros(1, 2)) == "compiled"  # compiled until told
+    choice.keep("eager")
+    assert isinstance(choice(torch.zeros(1, 2)), torch.Tensor)
+    assert choice.weight is agent.weight
+    with pytest.raises(ValueError, match="kind must be one of compiled, eager; got 'fast'"):
+        choice.keep("fast")
+
+
+# ---------------------------------------------------------------- real pipelines
+
+
+@dataclasses.dataclass(frozen=True)
+class _Uncompiled(CompiledIfFaster):
+    """Chooses like stage 7's executor, between two eager copies of the function."""
+
+    def wrap_model(self, fn):
+        return Choice(fn, fn)
+
+
+def _stage():
+    return dataclasses.replace(get_stage("fused_amp"), rollout_executor=_Uncompiled(),
+                               update_executor=_Uncompiled())
+
+
+def test_stage_7_compiles_where_it_pays_and_stage_5_always_compiles():
+    assert type(get_stage("fused_amp").rollout_executor) is CompiledIfFaster
+    assert type(get_stage("compile_warmup").rollout_executor).__name__ == "Compiled"
+    # stage 8 replays compiled code: nothing is chosen inside a graph
+    assert type(get_stage("cuda_graphs").update_executor.base).__name__ == "Compiled"
+
+
+def test_the_warmup_decides_and_undoes_what_it_ran():
+    cfg = RunConfig(n_envs=8, n_steps=8, spec=SPEC)
+    with Pipeline(_stage(), cfg, "cpu") as pipe, Pipeline(_stage(), cfg, "cpu") as fresh:
+        assert set(pipe.choices) == {"rollout", "update"} and not pipe.executor_choices
+        warmup(pipe)
+        made = pipe.executor_choices
+        assert set(made) == {"rollout", "update"}
+        assert all(m["why"] == "timed" and len(m["eager_ms"]) == CHOICE_ROUNDS
+                   for m in made.values())
+        assert pipe.model_math() == {p: made[p]["kept"] for p in ("rollout", "update")}
+        # the timing iterations were undone: the next iteration is a fresh pipeline's first
+        a, b = pipe.iteration(), fresh.iteration()
+        assert torch.equal(a["pg_loss"], b["pg_loss"])
+        assert torch.equal(pipe.agent.body[0].weight, fresh.agent.body[0].weight)
+
+
+@pytest.mark.parametrize("kind", ["eager", "compiled"])
+def test_a_forced_choice_is_kept_without_timing(kind, monkeypatch):
+    monkeypatch.setattr("labkit.stages.choose", lambda *a, **k: pytest.fail("timed"))
+    cfg = RunConfig(n_envs=8, n_steps=8, spec=SPEC, compile=kind)
+    with Pipeline(_stage(), cfg, "cpu") as pipe:
+        warmup(pipe)
+        assert pipe.model_math() == {"rollout": kind, "update": kind}
+        assert pipe.executor_choices["update"] == {"kept": kind, "why": f"compile={kind}"}
+        assert describe_choice("update", pipe.executor_choices["update"]) == \
+            f"update {kind} (compile={kind})"
+
+
+def test_stages_that_do_not_choose_say_what_runs_their_model_math():
+    cfg = RunConfig(n_envs=8, n_steps=8, spec=SPEC)
+    with Pipeline("async_logging", cfg, "cpu") as pipe:
+        assert pipe.choices == {} and pipe.model_math() == {"rollout": "eager", "update": "eager"}
+    with pytest.raises(ValueError, match="compile must be one of auto, compiled, eager"):
+        RunConfig(compile="yes")
+
+
+def test_a_resumed_run_keeps_the_choice_its_checkpoint_holds(tmp_path, monkeypatch):
+    made = {"rollout": {"kept": "eager", "why": "timed", "phase": "policy",
+                        "eager_ms": [1.0] * 5, "compiled_ms": [2.0] * 5},
+            "update": {"kept": "compiled", "why": "timed", "phase": "update",
+                       "eager_ms": [3.0] * 5, "compiled_ms": [2.0] * 5}}
+
+    def scripted(pipe, choices, rounds=CHOICE_ROUNDS):
+        for part, choice in choices.items():
+            choice.keep(made[part]["kept"])
+        return {part: made[part] for part in choices}
+
+    built = []
+
+    def build(cfg, device, group):
+        built.append(Pipeline(_stage(), cfg.run, device, group=group))
+        return built[-1]
+
+    monkeypatch.setattr(train_module, "build_pipeline", build)
+    monkeypatch.setattr("labkit.stages.choose", scripted)
+    cfg = TrainConfig.flat(stage="fused_amp", device="cpu", n_envs=8, n_steps=16,
+                           total_steps=4 * 128, seed=3, checkpoint_every=2, spec=SPEC)
+    summary = train(cfg, tmp_path / "run", progress=False, stop_after=2)
+    assert summary["executor_choices"] == made
+    assert summary["model_math"] == {"rollout": "eager", "update": "compiled"}
+    saved = checkpoint.load(tmp_path / "run" / checkpoint.FILENAME)
+    assert saved["executor_choices"] == made
+    assert "rollout eager (policy 1.0 ms per iteration eager, 2.0 compiled" in \
+        start_line(cfg, built[-1])
+    # a resume keeps the saved choice: nothing is timed again
+    monkeypatch.setattr("labkit.stages.choose", lambda *a, **k: pytest.fail("timed again"))
+    summary = train(None, tmp_path / "run", resume=True, progress=False)
+    assert summary["complete"] and summary["executor_choices"] == made
+    assert built[-1].model_math() == {"rollout": "eager", "update": "compiled"}
+
+
+def test_a_checkpoint_with_a_bad_choice_is_refused_naming_the_field(tmp_path):
+    cfg = TrainConfig.flat(stage="async_logging", device="cpu", n_envs=8, n_steps=16,
+                           total_steps=2 * 128, seed=3, spec=SPEC)
+    train(cfg, tmp_path / "run", progress=False)
+    path = tmp_path / "run" / checkpoint.FILENAME
+    payload = checkpoint.load(path)
+    payload.pop("format")
+    checkpoint.save(path, {**payload, "executor_choices": {"update": {"kept": "fast"}}})
+    with pytest.raises(checkpoint.CheckpointError, match="field 'executor_choices' must map"):
+        checkpoint.check(checkpoint.load(path), path)
