@@ -36,7 +36,8 @@ def main(argv: list[str]) -> int:
     out, paths = argv[0], argv[1:]
     Path(out).mkdir(parents=True, exist_ok=True)
     failed = 0
-    with ProcessPoolExecutor(max_workers=min(len(paths), int(os.environ.get("LABKIT_NB_WORKERS", "6")))) as pool:
+    workers = min(len(paths), int(os.environ.get("LABKIT_NB_WORKERS", "6")))
+    with ProcessPoolExecutor(max_workers=workers) as pool:
         for path, seconds, error in pool.map(_one, paths, [out] * len(paths)):
             print(f"{path}: {seconds:.0f} s {'FAILED' if error else 'ok'}", flush=True)
             if error:

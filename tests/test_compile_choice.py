@@ -13,7 +13,8 @@ import itertools
 import pytest
 import torch
 
-from labkit.app import checkpoint, train as train_module
+from labkit.app import checkpoint
+from labkit.app import train as train_module
 from labkit.app.train import TrainConfig, start_line, train
 from labkit.capture import warmup
 from labkit.config import RunConfig

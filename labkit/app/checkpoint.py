@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from ..capture import tree_map
-from ..files import atomic_write
 from ..executors import KINDS, PART_PHASE
+from ..files import atomic_write
 from ..stages import PipelineState
 
 FORMAT = 3

@@ -19,8 +19,8 @@ import torch
 from ..capture import warmup
 from ..config import RunConfig
 from ..device import run_metadata
-from ..executors import describe_choice
 from ..envs import ForageNumpy, ForageTorch
+from ..executors import describe_choice
 from ..policy import HIDDEN, N_ACTIONS, layer_init
 from ..stages import Pipeline, get_stage
 from . import tables
@@ -145,7 +145,8 @@ def bench_sb3(cfg: RunConfig, stage: str | int, iterations: int = 3, rounds: int
     rows[1]["x_sb3"] = rows[1]["sps"] / rows[0]["sps"]
     rows[0]["x_sb3"] = 1.0
     return {"meta": run_metadata(torch.device("cpu")), "stage": name, "precision": precision,
-            "model_math": math, "executor_choices": made, "env": env_class.__name__, "threads": used, "iterations": iterations, "rounds": rounds,
+            "model_math": math, "executor_choices": made, "env": env_class.__name__,
+            "threads": used, "iterations": iterations, "rounds": rounds,
             "run": cfg.to_dict(), "rows": rows}
 
 
