@@ -85,7 +85,8 @@ class Compiled(Eager):
     mode: str | None = None
 
     def __repr__(self) -> str:
-        return f"Compiled(mode={self.mode!r})" if self.mode else "Compiled()"
+        name = type(self).__name__
+        return f"{name}(mode={self.mode!r})" if self.mode else f"{name}()"
 
     def wrap_model(self, fn: Any) -> Any:
         _tf32_choice_made()
@@ -109,7 +110,7 @@ class _CopiedOutputs:
         return getattr(self._compiled, name)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class CompiledIfFaster(Compiled):
     """Compile the model math, and keep it compiled only where that pays on this device: the
     pipeline's warmup times both (:func:`choose`) and each wrapped function runs whichever was
