@@ -31,7 +31,8 @@ def test_a_brief_source_is_the_signature_and_docstring_and_says_what_it_left_out
 
 
 def test_changed_slots_and_stage_table():
-    assert set(changed_slots(STAGES[6], STAGES[7])) == {"optimizer", "precision"}
+    assert set(changed_slots(STAGES[6], STAGES[7])) == {"optimizer", "precision",
+                                                        "rollout_executor", "update_executor"}
     assert set(changed_slots(STAGES[3], STAGES[4])) == {"logger"}
     table = stage_table(list(STAGES)).splitlines()
     starts = [line.split()[0] for line in table[1:] if not line.startswith(" ")]
@@ -39,8 +40,10 @@ def test_changed_slots_and_stage_table():
     assert max(map(len, table)) <= 92  # wrapped: a page never breaks a name
     assert "Graphed(Compiled(), needs bf16)" in table[-1]
     # after the first stage, an entry names exactly the slots its lesson changes
-    (seven,) = [line for line in table if line.startswith("7 ")]
-    assert seven.split(None, 2)[2] == "optimizer FusedAdam(); precision Amp()"
+    at = next(i for i, line in enumerate(table) if line.startswith("7 "))
+    seven = " ".join([table[at].split(None, 2)[2], table[at + 1].strip()])
+    assert seven == ("optimizer FusedAdam(); precision Amp(); rollout_executor "
+                     "CompiledIfFaster(); update_executor CompiledIfFaster()")
     assert all(slot in "".join(table[1:4]) for slot in STAGES[0].components())
 
 
