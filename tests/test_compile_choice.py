@@ -204,6 +204,14 @@ def test_a_resumed_run_keeps_the_choice_its_checkpoint_holds(tmp_path, monkeypat
     summary = train(None, tmp_path / "run", resume=True, progress=False)
     assert summary["complete"] and summary["executor_choices"] == made
     assert built[-1].model_math() == {"rollout": "eager", "update": "compiled"}
+    # a checkpoint written before runs chose (no executor_choices) resumes compiled, as it ran
+    payload = checkpoint.load(tmp_path / "run" / checkpoint.FILENAME)
+    payload.pop("format")
+    payload.pop("executor_choices")
+    checkpoint.save(tmp_path / "run" / checkpoint.FILENAME, payload)
+    (tmp_path / "run" / "summary.json").unlink()
+    train(None, tmp_path / "run", resume=True, progress=False)
+    assert built[-1].model_math() == {"rollout": "compiled", "update": "compiled"}
 
 
 def test_a_checkpoint_with_a_bad_choice_is_refused_naming_the_field(tmp_path):

@@ -377,8 +377,11 @@ def _choose_executors(pipe: Pipeline, saved: dict | None, group: Group) -> None:
     """Settle what a stage that compiles only where it pays keeps: a resumed run keeps what
     its checkpoint says (the same kernels, the same numbers); otherwise a warmup times eager
     against compiled (off the clock, undone; a forced ``compile`` needs none). Under torchrun
-    every rank keeps rank 0's choice."""
-    if saved is not None and saved.get("executor_choices"):
+    every rank keeps rank 0's choice. A checkpoint from before runs chose ran compiled."""
+    if saved is not None and "executor_choices" not in saved:
+        saved = {"executor_choices": {part: {"kept": "compiled", "why": "as the run began"}
+                                      for part in pipe.choices}}
+    if saved is not None and saved["executor_choices"]:
         pipe.keep_choices(saved["executor_choices"])
     elif set(pipe.choices) - set(pipe.executor_choices):
         warmup(pipe)
