@@ -224,3 +224,17 @@ def test_a_checkpoint_with_a_bad_choice_is_refused_naming_the_field(tmp_path):
     checkpoint.save(path, {**payload, "executor_choices": {"update": {"kept": "fast"}}})
     with pytest.raises(checkpoint.CheckpointError, match="field 'executor_choices' must map"):
         checkpoint.check(checkpoint.load(path), path)
+
+
+def test_the_cli_says_what_the_model_math_kept(tmp_path, capsys):
+    """--compile forces the choice (nothing compiles: the compiled twin is never called), and
+    the run's last line says what each part ran."""
+    from labkit.app.cli import main
+
+    code = main(["train", "--stage", "fused_amp", "--device", "cpu", "--n-envs", "8",
+                 "--n-steps", "16", "--total-steps", "256", "--compile", "eager",
+                 "--out", str(tmp_path / "run"), "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0 and "rollout eager, update eager, " in out, out
+    saved = checkpoint.load(tmp_path / "run" / checkpoint.FILENAME)
+    assert saved["executor_choices"]["update"] == {"kept": "eager", "why": "compile=eager"}

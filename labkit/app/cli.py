@@ -72,6 +72,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         print(f"trained {s['steps']:,} steps ({s['stage']} on {s['device']}, "
               + (f"{s['precision']}, " if s.get("precision") else "")
+              + "".join(f"{part} {made['kept']}, " for part, made
+                        in (s.get("executor_choices") or {}).items())
               + f"{s['threads']} CPU thread(s)) in {s['wall_s']:.0f} s: "
               f"final mean return {_num(s['final_mean_return'], '.2f')}, "
               f"{_num(s['steps_per_s'], ',.0f')} steps/s this session"
