@@ -4,7 +4,8 @@ A pipeline's whole state is one ``state_dict()`` (PureJaxRL's ``runner_state``).
 run real work they must take back, and all three use it:
 
 * ``warmup(pipeline)``: one iteration off the clock (compilation, graph capture, allocator and
-  cuDNN warmup happen there), then the state from before it;
+  cuDNN warmup happen there), then the state from before it (and a stage that compiles only
+  where it pays times eager against compiled, each of those iterations undone too);
 * ``CapturedStep``: a CUDA graph is captured after a few warmup calls on a side stream (as
   torch's docs require), which really train and really step the envs;
 * checkpoints (``labkit.app.checkpoint``) save and load the same dict.

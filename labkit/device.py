@@ -107,15 +107,19 @@ def deterministic() -> Iterator[None]:
     too) gives bit-identical results on a GPU: cuDNN's default backward convolution may add in
     a different order from run to run, and inductor otherwise picks each reduction kernel's
     block sizes by timing them, so a process that compiles anew under other load may sum in
-    another order. The previous settings after. On the CPU, labkit's kernels are deterministic
-    anyway."""
+    another order. It governs what compiles inside the block: code compiled before it, at the
+    same shapes, keeps its kernels (dynamo does not guard on inductor's settings), and a torch
+    without inductor's deterministic mode (before 2.10) gets cuDNN's half only. The previous
+    settings after. On the CPU, labkit's kernels are deterministic anyway."""
     import torch._inductor.config as inductor
 
     cudnn = torch.backends.cudnn
     saved = cudnn.deterministic, cudnn.benchmark
     cudnn.deterministic, cudnn.benchmark = True, False
+    mode = inductor.patch(deterministic=True) if hasattr(inductor, "deterministic") \
+        else contextlib.nullcontext()
     try:
-        with inductor.patch(deterministic=True):
+        with mode:
             yield
     finally:
         cudnn.deterministic, cudnn.benchmark = saved

@@ -172,7 +172,11 @@ def choose(pipeline: Any, choices: dict[str, Choice], rounds: int = CHOICE_ROUND
             phases = timed_phases(pipeline)
             pipeline.load_state_dict(saved)
             for part in choices:
-                ms[part][kind].append(phases.get(PART_PHASE[part], 0.0))
+                if PART_PHASE[part] not in phases:
+                    raise RuntimeError(f"cannot time the {part}'s model math: the iteration "
+                                       f"marked no {PART_PHASE[part]!r} phase (marked: "
+                                       f"{', '.join(phases) or 'none'})")
+                ms[part][kind].append(phases[PART_PHASE[part]])
     made = {}
     for part, choice in choices.items():
         eager, compiled = ms[part]["eager"], ms[part]["compiled"]
@@ -202,6 +206,11 @@ class Graphed:
 
     base: Executor = Eager()
     requires: tuple[str, ...] = ("cuda",)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.base, CompiledIfFaster):  # a replayed graph cannot switch kernels
+            raise TypeError("Graphed needs a base that runs one way (Eager() or Compiled()), "
+                            "not CompiledIfFaster(): a captured graph replays what it captured")
 
     def __repr__(self) -> str:
         extra = [n for n in self.requires if n != "cuda"]

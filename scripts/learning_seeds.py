@@ -26,8 +26,9 @@ def main(seeds: list[int]) -> None:
             print(f"compile={compile_} seed {seed}: final mean return "
                   f"{s['final_mean_return']:.3f}, model math {s['model_math']}", flush=True)
     for compile_, values in finals.items():
-        print(f"compile={compile_}: mean {statistics.mean(values):.3f}, sd "
-              f"{statistics.stdev(values):.3f} over seeds {seeds}")
+        sd = f"{statistics.stdev(values):.3f}" if len(values) > 1 else "n/a (one seed)"
+        print(f"compile={compile_}: mean {statistics.mean(values):.3f}, sd {sd} over seeds "
+              f"{seeds}")
 
 
 if __name__ == "__main__":

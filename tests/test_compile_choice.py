@@ -238,3 +238,46 @@ def test_the_cli_says_what_the_model_math_kept(tmp_path, capsys):
     assert code == 0 and "rollout eager, update eager, " in out, out
     saved = checkpoint.load(tmp_path / "run" / checkpoint.FILENAME)
     assert saved["executor_choices"]["update"] == {"kept": "eager", "why": "compile=eager"}
+
+
+def test_a_checkpoint_whose_choices_do_not_fit_the_stage_is_refused(tmp_path, monkeypatch):
+    """Saved choices must name exactly the parts the stage chooses for; a timed one needs its
+    timings (else the resume would time again, or fail in the middle)."""
+    built = []
+
+    def build(cfg, device, group):
+        built.append(Pipeline(_stage(), cfg.run, device, group=group))
+        return built[-1]
+
+    monkeypatch.setattr(train_module, "build_pipeline", build)
+    cfg = TrainConfig.flat(stage="fused_amp", device="cpu", n_envs=8, n_steps=16,
+                           total_steps=4 * 128, seed=3, spec=SPEC, compile="eager")
+    train(cfg, tmp_path / "run", progress=False, stop_after=2)
+    path = tmp_path / "run" / checkpoint.FILENAME
+    payload = checkpoint.load(path)
+    payload.pop("format")
+    for bad in ({"update": {"kept": "eager", "why": "compile=eager"}}, {}):
+        checkpoint.save(path, {**payload, "executor_choices": bad})
+        with pytest.raises(checkpoint.CheckpointError, match="chooses for"):
+            train(None, tmp_path / "run", resume=True, progress=False)
+    timed_without_timings = {part: {"kept": "eager", "why": "timed", "phase": "policy",
+                                    "eager_ms": [], "compiled_ms": [1.0]}
+                             for part in ("rollout", "update")}
+    checkpoint.save(path, {**payload, "executor_choices": timed_without_timings})
+    with pytest.raises(checkpoint.CheckpointError, match="field 'executor_choices' must map"):
+        checkpoint.check(checkpoint.load(path), path)
+
+
+def test_a_graph_cannot_replay_a_choice():
+    from labkit.executors import Graphed
+
+    with pytest.raises(TypeError, match="a captured graph replays what it captured"):
+        Graphed(CompiledIfFaster())
+
+
+def test_choosing_needs_the_phase_it_times():
+    pipe = _Scripted({"update": {"eager": [1.0], "compiled": [2.0]}})
+    pipe.iteration = lambda: None  # marks no phase
+    pipe.last = {"env": 1.0}
+    with pytest.raises(RuntimeError, match="marked no 'update' phase"):
+        choose(pipe, pipe.choices)

@@ -79,11 +79,14 @@ def test_tables_show_the_spread_and_the_mark():
     row = {**noise.judge(_row(NOISY)), "sps": 8.3, "x_vs_stage0": None,
            "x_vs_prev": None, "host_reads_per_iter": 1, "warmup_s": 0.1, "ceiling_sps": 9.0,
            "precision": "fp32", "model_math": {"rollout": "eager", "update": "compiled"},
-           "executor_choices": {"update": {"kept": "compiled"}}}
+           "executor_choices": {"update": {"kept": "compiled", "why": "timed"}}}
     text = tables.LADDER.text([row]).splitlines()
     assert text[0].split()[4] == "IQR%" and text[2].split()[4] == "67"
     assert text[2].split()[-1] == "noisy"
     assert tables.LADDER.markdown([row]).splitlines()[2].endswith("| fp32 | e/c* | noisy |")
+    forced = {**row, "executor_choices": {"update": {"kept": "compiled",
+                                                     "why": "compile=compiled"}}}
+    assert tables.LADDER.markdown([forced]).splitlines()[2].endswith("| fp32 | e/c | noisy |")
     old = {k: v for k, v in row.items() if k not in ("model_math", "executor_choices")}
     assert tables.LADDER.markdown([old]).splitlines()[2].endswith("| fp32 |  | noisy |")
 

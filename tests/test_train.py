@@ -227,7 +227,8 @@ def test_resume_is_bit_identical_on_cuda(tmp_path, stage):
     test processes and 8 chapters sharing the GPU; results/GPU-RUNS.md)."""
     if get_stage(stage).skip_reason(torch.device("cuda")):
         pytest.skip(get_stage(stage).skip_reason(torch.device("cuda")))
-    cfg = small_config(stage=stage, device="cuda")
+    # compile forced: each run timing eager against compiled could keep a different kind
+    cfg = small_config(stage=stage, device="cuda", compile="compiled")
     with deterministic():
         train(cfg, tmp_path / "one_go", progress=False)
         train(cfg, tmp_path / "split", progress=False, stop_after=3)

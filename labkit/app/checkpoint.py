@@ -112,17 +112,30 @@ def check(payload: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path}: field 'wall_s' must be a finite number")
     choices = payload.get("executor_choices", {})  # absent before compile choices existed
     if not isinstance(choices, dict) or not all(
-            part in PART_PHASE and isinstance(made, dict) and made.get("kept") in KINDS
-            for part, made in choices.items()):
+            part in PART_PHASE and _choice_ok(made) for part, made in choices.items()):
         raise CheckpointError(f"{path}: field 'executor_choices' must map "
                               f"{' or '.join(PART_PHASE)} to {{'kept': "
-                              f"{' or '.join(map(repr, KINDS))}, ...}}; got {choices!r:.200}")
+                              f"{' or '.join(map(repr, KINDS))}, 'why': str, ...}} (a timed "
+                              f"choice with its phase and timings); got {choices!r:.200}")
     for part in ("agent", "optimizer"):
         bad = _first_non_finite(state[part], f"state.{part}")
         if bad:
             raise CheckpointError(f"{path}: field {bad!r} holds non-finite values (NaN or "
                                   "inf); this state cannot train")
     return payload
+
+
+def _choice_ok(made: Any) -> bool:
+    """A saved compile choice: what it kept, why, and for a timed one its phase and timings."""
+    if not (isinstance(made, dict) and made.get("kept") in KINDS
+            and isinstance(made.get("why"), str)):
+        return False
+    if made["why"] != "timed":
+        return True
+    timings = [made.get("eager_ms"), made.get("compiled_ms")]
+    return made.get("phase") in PART_PHASE.values() and all(
+        isinstance(t, list) and t and all(isinstance(x, (int, float)) and math.isfinite(x)
+                                          for x in t) for t in timings)
 
 
 def _first_non_finite(obj: Any, prefix: str) -> str | None:

@@ -373,16 +373,21 @@ def _load(pipe: Pipeline, saved: dict, group: Group, ckpt_path: Path) -> None:
                                          f"config ({type(err).__name__}: {err})") from None
 
 
-def _choose_executors(pipe: Pipeline, saved: dict | None, group: Group) -> None:
+def _choose_executors(pipe: Pipeline, saved: dict | None, group: Group,
+                      ckpt_path: Path) -> None:
     """Settle what a stage that compiles only where it pays keeps: a resumed run keeps what
     its checkpoint says (the same kernels, the same numbers); otherwise a warmup times eager
     against compiled (off the clock, undone; a forced ``compile`` needs none). Under torchrun
     every rank keeps rank 0's choice. A checkpoint from before runs chose ran compiled."""
-    if saved is not None and "executor_choices" not in saved:
-        saved = {"executor_choices": {part: {"kept": "compiled", "why": "as the run began"}
-                                      for part in pipe.choices}}
-    if saved is not None and saved["executor_choices"]:
-        pipe.keep_choices(saved["executor_choices"])
+    if saved is not None:
+        made = saved.get("executor_choices", {part: {"kept": "compiled",
+                                                     "why": "as the run began"}
+                                              for part in pipe.choices})
+        if set(made) != set(pipe.choices):
+            raise checkpoint.CheckpointError(
+                f"{ckpt_path}: field 'executor_choices' names {sorted(made)}, but stage "
+                f"{pipe.stage.name} chooses for {sorted(pipe.choices)}")
+        pipe.keep_choices(made)
     elif set(pipe.choices) - set(pipe.executor_choices):
         warmup(pipe)
     if group.world > 1 and pipe.choices:
@@ -416,7 +421,7 @@ def _run(run: Run, progress: bool, stop_after: int | None,
         pipe = resources.enter_context(build_pipeline(cfg, run.device, group))
         if run.saved is not None:
             _load(pipe, run.saved, group, run.checkpoint_path)
-        _choose_executors(pipe, run.saved, group)
+        _choose_executors(pipe, run.saved, group, run.checkpoint_path)
         run.keep_metrics()
         session = _Session(cfg, run.out, run.device, group, pipe, run.saved, run.kept, start)
         session.lock = run.lock

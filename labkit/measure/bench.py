@@ -1,9 +1,11 @@
 """The benchmark harness: every stage measured the same way.
 
 Per stage: build the pipeline, run one warmup iteration off the clock (``warmup_s``: compile,
-capture, autotune) and restore its state. Then the stages at one N are timed together, in
-rounds: each round runs one unmarked and one phase-marked iteration of every stage in turn, so
-a machine that slows down half-way slows them alike. The unmarked iterations give the headline
+capture, autotune) and restore its state; a stage that compiles only where it pays then times
+eager against compiled, also off the clock and undone (``choose_s``, ``executor_choices``).
+Then the stages at one N are timed together, in rounds: each round runs one unmarked and one
+phase-marked iteration of every stage in turn, so a machine that slows down half-way slows them
+alike. The unmarked iterations give the headline
 ``sps`` (median) and its spread, the marked ones ``phase_ms`` (where the iteration went), and
 the pair the marks' own overhead. On CUDA the host synchronizes only at iteration boundaries
 (phases are CUDA events); on the CPU the clock is ``time.perf_counter``. One more iteration
@@ -216,10 +218,12 @@ def _build(stage: Stage, run: RunConfig, device: torch.device, row: dict) -> Pip
         row["precision"] = pipe.precision.name
         if pipe.precision.why:  # a component chose it on this device: the reason, printed
             row["precision_why"] = pipe.precision.why
+        start = time.perf_counter()
         row["warmup_s"] = warmup(pipe)
         row["model_math"] = pipe.model_math()
         if pipe.executor_choices:  # what a stage that compiles where it pays kept, and why
             row["executor_choices"] = pipe.executor_choices
+            row["choose_s"] = time.perf_counter() - start - row["warmup_s"]
         mem, row["mem_kind"] = _peak_memory(device)
         row["peak_mem_mb"] = mem - base / 2**20
         return pipe

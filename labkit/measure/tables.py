@@ -120,7 +120,8 @@ def _math(r: dict) -> str:
     math = r.get("model_math")
     if not math:
         return ""
-    chosen = "*" if r.get("executor_choices") else ""
+    chosen = "*" if any(m.get("why") == "timed"
+                        for m in (r.get("executor_choices") or {}).values()) else ""
     return "/".join(_MATH.get(math[p], math[p]) for p in ("rollout", "update")) + chosen
 
 
