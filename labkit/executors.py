@@ -187,6 +187,11 @@ def choose(pipeline: Any, choices: dict[str, Choice], rounds: int = CHOICE_ROUND
     return made
 
 
+def describe_choices(made: dict[str, dict]) -> str:
+    """Every part's :func:`describe_choice`, joined by "; "."""
+    return "; ".join(describe_choice(part, m) for part, m in made.items())
+
+
 def describe_choice(part: str, made: dict) -> str:
     """"update eager (update 217.3 ms per iteration eager, 353.0 compiled; medians of 5)"."""
     if made["why"] != "timed":

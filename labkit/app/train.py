@@ -30,7 +30,7 @@ from .. import debug
 from ..capture import warmup
 from ..device import parse_device, resolve_device
 from ..distributed import SINGLE, Group, current, join, leave, parameter_checksum
-from ..executors import describe_choice
+from ..executors import describe_choices
 from ..files import FolderLock, describe_os_error
 from ..logging import AsyncLogger, SyncLogger, TensorBoardSink, quiet_thread_os_errors
 from ..signals import raise_if_stopped, signals_deferred, signum_of, stop_signals
@@ -398,10 +398,8 @@ def start_line(cfg: TrainConfig, pipe: Pipeline) -> str:
     """What a run prints as it starts: the stage, device, precision and, where the stage
     chooses, what runs its model math and why."""
     line = f"train: {cfg.stage} on {pipe.device}, {pipe.precision.describe()}"
-    made = pipe.executor_choices
-    if made:
-        line += "; " + "; ".join(describe_choice(part, m) for part, m in made.items())
-    return line
+    return line + (f"; {describe_choices(pipe.executor_choices)}"
+                   if pipe.executor_choices else "")
 
 
 def _show(bar: Any, record: dict, steps: int) -> None:

@@ -32,7 +32,7 @@ import torch
 from ..capture import warmup
 from ..config import BenchConfig, RunConfig, available_memory, memory_estimate
 from ..device import run_metadata, synchronize
-from ..executors import describe_choice
+from ..executors import describe_choices
 from ..policy import flops_per_sample
 from ..ppo import Batch
 from ..signals import raise_if_stopped, signum_of
@@ -488,9 +488,7 @@ def ladder_notes(result: dict) -> str:
     if any(r.get("model_math") for r in result["ladder"]):
         lines.append("math: the model math of the rollout/update, e eager, c compiled, g "
                      "replayed in a CUDA graph; * kept by timing both at warmup")
-    lines += [f"model math, {r['stage']} {r['name']}: "
-              + "; ".join(describe_choice(part, made) for part, made in
-                          r["executor_choices"].items())
+    lines += [f"model math, {r['stage']} {r['name']}: {describe_choices(r['executor_choices'])}"
               for r in result["ladder"] if r.get("executor_choices")]
     if result.get("interrupted"):
         lines.append(f"PARTIAL: interrupted by {result['interrupted']}; what is not listed did "

@@ -20,7 +20,7 @@ from ..capture import warmup
 from ..config import RunConfig
 from ..device import run_metadata
 from ..envs import ForageNumpy, ForageTorch
-from ..executors import describe_choice
+from ..executors import describe_choices
 from ..policy import HIDDEN, N_ACTIONS, layer_init
 from ..stages import Pipeline, get_stage
 from . import tables
@@ -167,8 +167,7 @@ def format_table(result: dict) -> str:
         f"{result['meta']['device_name']} (cpu), {result['threads']} thread(s), torch "
         f"{result['meta']['torch']}; {result['rounds']} interleaved rounds of "
         f"{result['iterations']} iterations each",
-        *(["labkit's model math: " + "; ".join(
-            describe_choice(part, made) for part, made in result["executor_choices"].items())]
+        *([f"labkit's model math: {describe_choices(result['executor_choices'])}"]
           if result.get("executor_choices") else []),
         f"same work: {result['env']} x {run['n_envs']} envs, seed {run['seed']}, "
         f"T={run['n_steps']}; "
