@@ -10,19 +10,21 @@ only to cast to uint64 first (NumPy will not mix signed arrays with these consta
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 MASK = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x846CA68B
 GOLDEN = 0x9E3779B9
 
 
-def mix(x):
-    """lowbias32 on values in [0, 2**32): works for int, np.uint64 arrays and int64 tensors."""
+def mix(x, out=None):
+    """lowbias32 on values in [0, 2**32): works for int, np.uint64 arrays and int64 tensors
+    (ten operations each; ``out``, a tensor, takes the result of the last)."""
     x = x ^ (x >> 16)
     x = (x * _M1) & MASK
     x = x ^ (x >> 15)
     x = (x * _M2) & MASK
-    return x ^ (x >> 16)
+    return x ^ (x >> 16) if out is None else torch.bitwise_xor(x, x >> 16, out=out)
 
 
 def chain(h, *keys):

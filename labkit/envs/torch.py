@@ -2,20 +2,26 @@
 
 Every branch of ForagePy becomes a ``torch.where`` or a write routed to a cell where it changes
 nothing; shapes are static and the state is updated in place, so ``step`` can be compiled or
-captured in a CUDA graph. What makes it fast is what it does *not* do on every step:
+captured in a CUDA graph. A step is 48 non-view ops (each a kernel launch on a GPU; the default
+spec, no final observations) whatever N is and whichever episodes end. What makes it fast is
+what it does *not* do on every step:
 
 * **The reset is built ahead.** The next episode's layout depends only on (seed, env, episode),
   so it is built one placement draw per step while the current episode runs, in a second grid
-  (lane 1), and swapped in with int8 arithmetic where the episode ended. Each step does the
-  same small amount of layout work whether 0 or N episodes end. Where an episode is shorter
-  than the number of draws, each step makes ``ceil(draws / episode_length)`` of them.
+  (lane 1), and shifted in (with lane 2, an empty grid, shifted into lane 1) by one
+  ``torch.where`` over int64 words where the episode ended. Each step does the same small
+  amount of layout work whether 0 or N episodes end. Where an episode is shorter than the
+  number of draws, each step makes ``ceil(draws / episode_length)`` of them.
 * **One search finds both cells.** The respawn of an eaten item (lane 0) and the layout draw
   (lane 1) are each "the k-th free cell" of their lane: one ``cumsum`` over both lanes' free
   masks and one ``searchsorted`` find them. The number of free cells at a respawn is the same
-  on every step (interior - walls - items, a constant of the spec), so k needs no count.
-* **The hash is mostly prefix.** ``hash32`` mixes (seed, env, episode, step, draw) in turn; the
-  per-env and per-episode prefixes are kept and updated when an episode ends, so a step mixes
-  two levels (``rng.chain``).
+  on every step (interior - walls - items, a constant of the spec), so k needs no count; one
+  table row, looked up by (the kind of cell moved to, the draw), holds both lanes' moduli, the
+  values written and the reward.
+* **One hash level per step.** ``hash32`` mixes (seed, env, episode, step, draw) in turn, ten
+  ops a level. The per-env and per-episode prefixes are kept, and the first level of the next
+  step's respawn is mixed one step ahead, so one ``mix`` over the keys xored with the counters
+  makes every hash the step needs and every key of the next step (``_hash``).
 * **The grid is the interior only**, one int8 per cell plus one wall column that stands for
   every cell outside (moves and observation windows go through index tables), and the agent's
   cell holds ``AGENT_CELL``, so "free" is a single comparison.
@@ -25,9 +31,9 @@ ForageNumpy's layout (flat grids padded with walls, flat positions), the same as
 ForageTorchLoop's, and ``load_state_dict`` rebuilds the rest, so checkpoints written before this
 design load unchanged, and envs may be at different steps of their episodes.
 
-Action range errors use ``torch._assert_async``: on the CPU it raises at once (re-raised here
-as ValueError); on CUDA it is a device-side assert that fails a later call and poisons the CUDA
-context, the price of not syncing to check.
+An action out of range fails the gather that looks it up in the move table: on the CPU it
+raises at once, before any write (re-raised here as ValueError); on CUDA it is a device-side
+assert that fails a later call and poisons the CUDA context, the price of not syncing to check.
 """
 from __future__ import annotations
 
@@ -68,9 +74,14 @@ def check_env_args(n_envs: object, spec: object, seed: object, device: object
     return check_n_envs(n_envs), spec, device
 
 
-def check_actions(actions: object, n_envs: int, device: torch.device) -> torch.Tensor:
-    """``actions`` as int64, after checking type, shape, device and (on the device) range."""
-    allowed = f"integers in [0, {N_ACTIONS})"
+ACTIONS_ALLOWED = f"integers in [0, {N_ACTIONS})"
+
+
+def check_actions(actions: object, n_envs: int, device: torch.device, in_range: bool = True
+                  ) -> torch.Tensor:
+    """``actions`` as int64, after checking type, shape, device and (``in_range``: on the
+    device, four ops) range."""
+    allowed = ACTIONS_ALLOWED
     if not isinstance(actions, torch.Tensor) or actions.dtype not in INT_DTYPES:
         kind = getattr(actions, "dtype", type(actions).__name__)
         raise TypeError(f"actions must be a tensor of {allowed}, got {kind}")
@@ -79,6 +90,8 @@ def check_actions(actions: object, n_envs: int, device: torch.device) -> torch.T
     if actions.device != device:
         raise ValueError(f"actions must be on {device}, got {actions.device}")
     msg = f"actions must be {allowed}"
+    if not in_range:
+        return actions.long()
     try:  # checked on the device, no host read (see the module docstring)
         torch._assert_async(actions.clamp(0, N_ACTIONS - 1).eq(actions).all(), msg)
     except RuntimeError:
@@ -133,54 +146,78 @@ class ForageTorch:
         self.n_envs, self.spec, self.device = check_env_args(n_envs, spec, seed, device)
         self.final_obs = bool(final_obs)
         self._tables(Layout.of(self.spec))
-        dev, n = self.device, self.n_envs
+        dev, n, k = self.device, self.n_envs, self._draws_per_step
         self._env = torch.arange(env_offset, env_offset + n, device=dev)
         self._zero = torch.zeros(n, dtype=torch.int64, device=dev)
         self._zero_f = torch.zeros((), dtype=torch.float32, device=dev)
 
         self.seed = torch.tensor(seed, dtype=torch.int64, device=dev)
-        self.episode = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.t = torch.zeros(n, dtype=torch.int64, device=dev)
+        #: Counters, one row each, [6 + k, N] int64: episode, (episode + 3) & MASK, 1, 0, 0,
+        #: t, t + 2, then k - 1 zeros. Rows 1 to 5 + k are what the hash keys are xored with
+        #: (``_hash``); ``episode`` and ``t`` are rows 0 and 5.
+        self._ctr = torch.zeros(6 + k, n, dtype=torch.int64, device=dev)
+        self.episode, self.t = self._ctr[0], self._ctr[5]
         self.episode_return = torch.zeros(n, dtype=torch.float32, device=dev)
-        #: [N, 2, cells + 1] int8: lane 0 the current grid, lane 1 the next episode's, built
-        #: ahead; the last column is WALL and stands for every cell outside the interior.
-        self.lanes = torch.empty(n, 2, self._n_cells + 1, dtype=torch.int8, device=dev)
+        #: [3, N, cells + 1 + padding] int8: lane 0 the current grids, lane 1 the next
+        #: episodes', built ahead, lane 2 empty grids (never written); column ``cells`` is
+        #: WALL and stands for every cell outside the interior. The padding, never read, makes
+        #: a grid whole int64 words, so the episode end moves grids 8 cells at a time.
+        self.lanes = torch.empty(3, n, len(self._fresh), dtype=torch.int8, device=dev)
         #: Interior index of the agent's cell (lane 0), and of its next-episode cell (lane 1;
         #: column 1 takes the writes of the other draws).
         self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self._next_pos = torch.zeros(n, 2, dtype=torch.int64, device=dev)
-        #: Hash keys: chain(GOLDEN, seed, env), then per env the episode's prefix E, the next
-        #: episode's prefix F, and the env key xored with episode + 2 (mixed, it is the prefix
-        #: of the episode after next).
-        self._env_key = torch.zeros(n, dtype=torch.int64, device=dev)
-        self._keys = torch.zeros(n, 3, dtype=torch.int64, device=dev)
-        self._free = torch.empty(n, 2, self._n_cells, dtype=torch.int8, device=dev)  # scratch
+        #: Hash keys and their mixes, one row each, [2 * (5 + k), N] int64: the keys S, F, G,
+        #: P, F0, E and k - 1 more copies of F0, then mix(keys ^ counters[1:6 + k]) (``_hash``).
+        self._keys = torch.zeros(2 * (5 + k), n, dtype=torch.int64, device=dev)
+        self._n = torch.zeros(k, 2, n, dtype=self._count_dtype, device=dev)  # scratch
+        self._free = torch.empty(2, n, self._n_cells, dtype=torch.int8, device=dev)  # scratch
         self.reset()
 
     def _tables(self, lay: Layout) -> None:
-        """Index tables of the interior-only grid, and the per-draw table of the layout."""
+        """Index tables of the interior-only grid, and the tables of the placement passes."""
         s, cells = self.spec, lay.cells
         n_cells = self._n_cells = len(cells)
         interior = np.full(lay.rows * lay.cols, n_cells, dtype=np.int64)  # else: wall column
         interior[cells] = np.arange(n_cells)
-        self._layout, self._n_draws = lay, len(lay.placements)
-        self._draws_per_step = -(-self._n_draws // s.episode_length)
+        draws = self._n_draws = len(lay.placements)
+        k = self._draws_per_step = -(-draws // s.episode_length)
+        self._layout = lay
         self._count_dtype = next(dtype for dtype in (torch.int8, torch.int16, torch.int32)
                                  if n_cells + 1 <= torch.iinfo(dtype).max)
         free_at_respawn = n_cells - s.n_walls - s.n_food - s.n_poison  # >= 1 (spec check)
-        # Per draw d: the two lanes' moduli (respawn, draw d), what turns k into a 1-based n
-        # (+1, or past every cell once the layout is done: a WALL write on the wall column),
-        # and the column of _next_pos the draw's cell goes to (0 for the agent's).
-        rows = [(free_at_respawn, n_cells - d, 1, 1, 0 if kind == AGENT else 1)
-                for d, kind in enumerate(lay.placements)]
-        rows.append((free_at_respawn, 1, 1, n_cells + 1, 1))  # d >= draws: the layout is done
-        kinds = [AGENT_CELL if kind == AGENT else kind for kind in lay.placements] + [WALL]
+        # One row per (kind of the cell moved to c, layout draw d; d == draws: the layout is
+        # done), at c * (draws + 1) + d: the moduli and the offsets that turn each lane's hash
+        # into a 1-based free-cell number (past every cell: a WALL write on the wall column,
+        # for "nothing eaten" and "layout done"), the _next_pos column of the draw's cell (0
+        # for the agent's), the values written, and the step's reward.
+        rows, values, rewards = [], [], []
+        for c in range(AGENT_CELL + 1):
+            eaten = c in (FOOD, POISON)
+            for d in range(draws + 1):
+                kind = lay.placements[d] if d < draws else WALL
+                rows.append((free_at_respawn if eaten else 1, n_cells - d if d < draws else 1,
+                             1 if eaten else n_cells + 1, 1 if d < draws else n_cells + 1,
+                             0 if kind == AGENT else 1))
+                values.append((c if eaten else WALL, AGENT_CELL if kind == AGENT else kind))
+                rewards.append(1.0 if c == FOOD else -1.0 if c == POISON else 0.0)
 
         def on_device(a, dtype=None) -> torch.Tensor:
             return torch.as_tensor(a, dtype=dtype, device=self.device)
 
-        self._draw_table = on_device(rows, torch.int64)
-        self._draw_kind = on_device(kinds, torch.int8)
+        self._rows = on_device(rows, torch.int64).T.contiguous()  # one row per field
+        self._values = on_device(values, torch.int8).T.contiguous()
+        self._rewards = on_device(rewards, torch.float32)
+        self._draw_kind = on_device([AGENT_CELL if kind == AGENT else kind
+                                     for kind in lay.placements], torch.int8)
+        self._draw_offsets = on_device(range(k), torch.int64)
+        # What an episode's end adds to the counters' rows 0 to 6 (see __init__).
+        self._end_delta = on_device([1, 1, 0, 0, 0, -s.episode_length, -s.episode_length]
+                                    ).unsqueeze(1)
+        # The keys' columns after a step (see _hash), in the order: ended, going on.
+        w = 5 + k
+        self._roll = on_device([0, 2, w, w + 1, w + 2, 1, *[w + 2] * (k - 1),
+                                0, 1, 2, w + 5, *range(4, w)])
         self._move = on_device(interior[cells[:, None] + lay.deltas[None, :]])
         # The window table costs cells x view^2 int64: kept up to 4M entries (32 MiB); beyond,
         # the observation maps padded offsets to interior columns on each call.
@@ -190,43 +227,46 @@ class ForageTorch:
         self._interior, self._cells = on_device(interior), on_device(cells)
         self._base = on_device(lay.base)
         self._channel_kinds = on_device(lay.channel_kinds)
-        reward = np.zeros(AGENT_CELL + 1, dtype=np.float32)
-        reward[FOOD], reward[POISON] = 1.0, -1.0
-        self._reward_of = on_device(reward)
-        self._fresh = on_device([EMPTY] * n_cells + [WALL], torch.int8)
+        self._fresh = on_device([EMPTY] * n_cells + [WALL] + [EMPTY] * (7 - n_cells % 8),
+                                torch.int8)
 
     # --------------------------------------------------------------------- layout and state
 
     def _set_keys(self) -> None:
-        """Hash prefixes from seed, env and episode."""
-        ep = self.episode
-        self._env_key.copy_(chain(GOLDEN, self.seed, self._env))
-        s = self._env_key
-        self._keys.copy_(torch.stack((chain(s, ep), chain(s, ep + 1), s ^ ((ep + 2) & MASK)), 1))
+        """Hash keys from seed, env, episode and t (off the step path): the env's prefix S,
+        the prefixes E, F, G of this episode and the two after, P = mix(E ^ (t + 1)) (the
+        next respawn's first level) and F0 = mix(F) (the next layout's step-0 prefix)."""
+        ep, k, ctr = self.episode, self._draws_per_step, self._ctr
+        s = chain(GOLDEN, self.seed, self._env)
+        e, f, g = (chain(s, ep + i) for i in range(3))
+        p, f0 = chain(e, self.t + 1), mix(f)
+        self._keys[:5 + k].copy_(torch.stack((s, f, g, p, f0, e, *[f0] * (k - 1))))
+        ctr[1] = (ep + 3) & MASK
+        ctr[2], ctr[3:5], ctr[7:] = 1, 0, 0
+        ctr[6] = self.t + 2
 
     def _place(self, n: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Write ``values[:, l]`` on the ``n[:, l]``-th free cell of lane ``l``, both lanes in
-        one search; an ``n`` past the free cells writes on the wall column (so the value must
-        be WALL). Returns the columns written."""
+        """Write ``values[l]`` on the ``n[l]``-th free cell of lane ``l`` (each ``[2, N]``),
+        both lanes in one search; an ``n`` past the free cells writes on the wall column (so
+        the value must be WALL). Returns the columns written."""
         # The comparison writes int8, not bool: 7x faster on the 2-core x86 CPU it was timed on.
-        free = torch.eq(self.lanes[:, :, :self._n_cells], EMPTY, out=self._free)
+        free = torch.eq(self.lanes[:2, :, :self._n_cells], EMPTY, out=self._free)
         col = nth_free(free, n, self._count_dtype)
         self.lanes.scatter_(2, col.unsqueeze(2), values.unsqueeze(2))
         return col
 
     def _build(self, done: torch.Tensor) -> None:
-        """Layout draws ``0 .. done[:, l] - 1`` on lane ``l`` (lane 0: this episode, lane 1:
-        the next); the lanes must hold the draws before those. Not on the step path."""
-        start = mix(self._keys[:, :2])  # step-0 prefixes: chain(E, 0), chain(F, 0)
+        """Layout draws ``0 .. done[l] - 1`` on lane ``l`` (lane 0: this episode, lane 1: the
+        next); the lanes must hold the draws before those. Not on the step path."""
+        start = torch.stack((mix(self._keys[5]), self._keys[4]))
         for d, kind in enumerate(self._layout.placements):
             draw = done > d
             n = torch.where(draw, mix(start ^ d) % (self._n_cells - d) + 1, self._n_cells + 1)
             values = torch.where(draw, self._draw_kind[d], WALL).to(torch.int8)
             col = self._place(n, values)
             if kind == AGENT:
-                self.pos.copy_(torch.where(draw[:, 0], col[:, 0], self.pos))
-                self._next_pos[:, 0].copy_(torch.where(draw[:, 1], col[:, 1],
-                                                       self._next_pos[:, 0]))
+                self.pos.copy_(torch.where(draw[0], col[0], self.pos))
+                self._next_pos[:, 0].copy_(torch.where(draw[1], col[1], self._next_pos[:, 0]))
 
     def _built_ahead(self) -> torch.Tensor:
         """How many draws of the next layout a step at ``t`` finds made (per env)."""
@@ -240,20 +280,21 @@ class ForageTorch:
         self.episode_return.zero_()
         self._set_keys()
         self.lanes.copy_(self._fresh.expand_as(self.lanes))
-        self._build(torch.stack((torch.full_like(self.t, self._n_draws), self._zero), 1))
+        self._build(torch.stack((torch.full_like(self.t, self._n_draws), self._zero)))
         return self.observation(), {}
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every tensor of env state the step reads or writes in place. Compiled code and CUDA
-        graphs hold these very tensors, so ``reset`` and ``load_state_dict`` write into them."""
+        graphs hold these very tensors, so ``reset`` and ``load_state_dict`` write into them
+        (``episode`` and ``t`` are views of ``_ctr``)."""
         return {name: getattr(self, name) for name in (
-            "seed", "episode", "t", "episode_return", "lanes", "pos", "_next_pos", "_env_key",
-            "_keys", "_free")}
+            "seed", "episode", "t", "episode_return", "lanes", "pos", "_next_pos", "_ctr",
+            "_keys", "_n", "_free")}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of the env state in ForageNumpy's layout: enough to resume bit-exactly with
         ``load_state_dict`` (here or in ForageTorchLoop)."""
-        here = self.lanes[:, 0, :self._n_cells]
+        here = self.lanes[0, :, :self._n_cells]
         grid = self._base.repeat(self.n_envs, 1)
         grid[:, self._cells] = torch.where(here == AGENT_CELL, EMPTY, here)
         return {"seed": self.seed.clone(), "episode": self.episode.clone(),
@@ -272,9 +313,9 @@ class ForageTorch:
         self.pos.copy_(pos)
         self._set_keys()
         self.lanes.copy_(self._fresh.expand_as(self.lanes))
-        self.lanes[:, 0, :self._n_cells] = state["grid"].to(self.device)[:, self._cells]
-        self.lanes[:, 0].scatter_(1, pos.unsqueeze(1), AGENT_CELL)
-        self._build(torch.stack((self._zero, self._built_ahead()), 1))
+        self.lanes[0, :, :self._n_cells] = state["grid"].to(self.device)[:, self._cells]
+        self.lanes[0].scatter_(1, pos.unsqueeze(1), AGENT_CELL)
+        self._build(torch.stack((self._zero, self._built_ahead())))
 
     # --------------------------------------------------------------------- the step
 
@@ -283,7 +324,7 @@ class ForageTorch:
         pos = self.pos if pos is None else pos
         window = self._window.index_select(0, pos) if self._window is not None else \
             self._interior[self._cells[pos].unsqueeze(1) + self._window_offsets]
-        cells = self.lanes[:, 0].gather(1, window)
+        cells = self.lanes[0].gather(1, window)
         obs = torch.empty(self.n_envs, *self.spec.obs_shape, dtype=torch.float32,
                           device=self.device)
         torch.eq(cells.unsqueeze(1), self._channel_kinds.view(1, -1, 1), out=obs.view(
@@ -292,71 +333,93 @@ class ForageTorch:
 
     def step(self, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                    torch.Tensor, dict]:
-        actions = check_actions(actions, self.n_envs, self.device)
-        cell, reward = self._walk(actions)
-        draws = self._draws_now()  # the next layout's draws this step makes (from t)
-        self.t += 1
-        passes, next_prefix = self._hash(cell, reward, draws)
+        actions = check_actions(actions, self.n_envs, self.device, in_range=False)
+        cell = self._walk(actions)
+        reward, passes = self._hash(cell)
         for n, values, column in passes:  # one pass, or more if episodes are short
             col = self._place(n, values)
-            self._next_pos.scatter_(1, column, col[:, 1:])
-        truncated, info = self._end_episodes(reward, next_prefix)
+            self._next_pos.scatter_(1, column, col[1:].T)
+        truncated, info = self._end_episodes(reward)
         obs = self.observation()
         if self.final_obs:
             info["final_observation"] = torch.where(truncated.view(-1, 1, 1, 1),
                                                     info["final_observation"], obs)
         return obs, reward, torch.zeros_like(truncated), truncated, info
 
-    def _walk(self, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Move unless the target is a wall (AGENT_CELL moves with the agent); the cell moved
-        to (its kind before the move) and the reward."""
-        here, pos = self.lanes[:, 0], self.pos
-        target = self._move[pos, actions]
-        cell = here.gather(1, target.unsqueeze(1)).squeeze(1)
+    def _walk(self, actions: torch.Tensor) -> torch.Tensor:
+        """Move unless the target is a wall (AGENT_CELL moves with the agent); the kind of the
+        cell moved to, before the move. The actions' range is checked by the gather that
+        looks them up: on the CPU it raises (re-raised as ValueError) before any write."""
+        here, pos = self.lanes[0], self.pos
+        moves = self._move.index_select(0, pos)
+        if torch.compiler.is_compiling():  # compiled code checks indices with device asserts
+            target = moves.gather(1, actions.unsqueeze(1))
+        else:
+            try:
+                target = moves.gather(1, actions.unsqueeze(1))
+            except RuntimeError:
+                raise ValueError(f"actions must be {ACTIONS_ALLOWED}") from None
+        cell = here.gather(1, target).squeeze(1)
         here.scatter_(1, pos.unsqueeze(1), EMPTY)
-        torch.where(cell != WALL, target, pos, out=pos)
+        torch.where(cell != WALL, target.squeeze(1), pos, out=pos)
         here.scatter_(1, pos.unsqueeze(1), AGENT_CELL)
-        return cell, self._reward_of.take(cell.long())
+        return cell
 
-    def _draws_now(self) -> list[torch.Tensor]:
-        """The draws of the next layout a step at ``t`` makes: ``t``, or ``t * per_step + j``
-        when episodes are shorter than the layout (``_n_draws``: the layout is done)."""
-        t, per_step, draws = self.t, self._draws_per_step, self._n_draws
-        return [t.clamp(max=draws)] if per_step == 1 else \
-            [(t * per_step + j).clamp_(max=draws) for j in range(per_step)]
+    def _hash(self, cell: torch.Tensor
+              ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+        """The step's reward, and per placement pass the 1-based free-cell numbers (the
+        respawn, the next layout's draw), the values to write and the draw's ``_next_pos``
+        column; moves ``t`` on. One ``mix`` of the keys xored with the counters makes every
+        hash the step needs and every key of the next step (t before the step; S =
+        chain(GOLDEN, seed, env), E, F, G = chain(S, episode + 0, 1, 2), P = mix(E ^ (t +
+        1)), F0 = mix(F)):
 
-    def _hash(self, cell: torch.Tensor, reward: torch.Tensor, ds: list[torch.Tensor]
-              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """Per placement pass (after ``t`` moved on): the 1-based free-cell numbers (respawn,
-        the next layout's draw ``d``), the values to write and the draw's ``_next_pos`` column
-        (table columns: moduli 0-1, offsets to a 1-based n 2-3, column 4); and the prefix of
-        the episode after next."""
-        t = self.t
-        # Level 1: E ^ t (the respawn at step t), F ^ 0 (the next layout, step 0), and the
-        # prefix after; level 2 mixes in the draw: 0 for the respawn, d for the layout.
-        level1 = mix(self._keys ^ torch.stack((t, self._zero, self._zero), 1))
-        idle = reward == 0  # nothing eaten: the respawn writes WALL on the wall column
+        ====  =====================  ==============================================
+        key   xored with             mixed, it is
+        ====  =====================  ==============================================
+        S     (episode + 3) & MASK   G of the next episode
+        F     1                      P of the next episode's first step
+        G     0                      F0 of the next episode
+        P     0                      the respawn's hash, chain(E, t + 1, 0)
+        F0    t (the draw d)         the layout draw's hash, chain(F, 0, d)
+        E     t + 2                  P of the next step
+        ====  =====================  ==============================================
+
+        ``_end_episodes`` keeps the keys, P moved on, or rolls them (E <- F, F <- G, ...) with
+        one ``where``. When episodes are shorter than the layout, a step makes k draws, t * k
+        + j, from k copies of F0."""
+        ctr, k, draws, t = self._ctr, self._draws_per_step, self._n_draws, self.t
+        w = 5 + k
+        mixed = self._keys[w:]
+        keys = self._keys[:w] ^ ctr[1:w + 1]
+        if k > 1:
+            d = torch.add(self._draw_offsets.unsqueeze(1), t, alpha=k)
+            keys[4] = self._keys[4] ^ d[0]
+            keys[6:] = self._keys[6:w] ^ d[1:]
+            d = d.clamp(max=draws)
+        else:
+            d = t.clamp(max=draws).unsqueeze(0)
+        mix(keys, out=mixed)
+        ctr[5:7].add_(1)
         passes = []
-        for j, d in enumerate(ds):
-            row = self._draw_table.index_select(0, d)
-            n = mix(level1[:, :2] ^ torch.stack((self._zero, d), 1)) % row[:, :2] + row[:, 2:4]
+        for j in range(k):  # after the first, the rows of "nothing eaten" (c = EMPTY)
+            at = torch.add(d[0], cell, alpha=draws + 1) if j == 0 else d[j]
+            rows = self._rows.index_select(1, at)
+            hashes = mixed[3:5] if j == 0 else mixed[4 + j:6 + j]  # row 4 + j: any (mod 1)
+            n = torch.add(hashes % rows[:2], rows[2:4], out=self._n[j])
+            passes.append((n, self._values.index_select(1, at), rows[4:5].T))
             if j == 0:
-                n[:, 0].masked_fill_(idle, self._n_cells + 1)
-                resp = cell.masked_fill(idle, WALL)
-            else:  # more draws than steps in an episode: the extra passes place no respawn
-                n[:, 0] = self._n_cells + 1
-                resp = torch.full_like(cell, WALL)
-            passes.append((n, torch.stack((resp, self._draw_kind.take(d)), 1), row[:, 4:5]))
-        return passes, level1[:, 2]
+                reward = self._rewards.index_select(0, at)
+        return reward, passes
 
-    def _end_episodes(self, reward: torch.Tensor, next_prefix: torch.Tensor
-                      ) -> tuple[torch.Tensor, dict]:
+    def _end_episodes(self, reward: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Episode statistics, then the same-step reset where ``t`` reached the episode length:
-        the next layout is ready in lane 1; swap it in and empty lane 1 there (EMPTY is 0; int8
-        arithmetic: 4x faster than ``torch.where`` on the 2-core x86 CPU it was timed on)."""
-        t, pos, here = self.t, self.pos, self.lanes[:, 0]
+        the next layout is ready in lane 1; shift lanes 1 and 2 (empty) into 0 and 1 there,
+        roll the keys, restart the counters."""
+        t, pos, lanes, ctr = self.t, self.pos, self.lanes, self._ctr
+        length = self.spec.episode_length
         self.episode_return += reward
-        truncated = t == self.spec.episode_length
+        truncated = t == length
         info = {"episode_return": torch.where(truncated, self.episode_return, self._zero_f),
                 "episode_length": torch.where(truncated, t, self._zero)}
         if self.final_obs:
@@ -364,17 +427,15 @@ class ForageTorch:
             # torch 2.11's inductor fuses this read of ``pos`` with the walk's write into one
             # kernel that reads it before the write (a compiled step's final observations
             # were taken from before the move; tests/test_envs.py, torch 2.13 is right).
-            agent = self.lanes[:, 0, :self._n_cells] == AGENT_CELL
+            agent = lanes[0, :, :self._n_cells] == AGENT_CELL
             info["final_observation"] = self.observation(agent.to(torch.int8).argmax(1))
-        ended = truncated.unsqueeze(1)
-        ended8 = ended.to(torch.int8)
-        here.add_((self.lanes[:, 1] - here).mul_(ended8))
-        self.lanes[:, 1, :self._n_cells].mul_(1 - ended8)
+        words = lanes.view(torch.int64)  # where() on int8 is 4x slower per cell on a CPU
+        words[:2].copy_(torch.where(truncated.view(-1, 1), words[1:], words[:2]))
         torch.where(truncated, self._next_pos[:, 0], pos, out=pos)
-        self.episode += truncated
-        after = self._env_key ^ ((self.episode + 2) & MASK)
-        keys = torch.stack((self._keys[:, 1], next_prefix, after), 1)
-        torch.where(ended, keys, self._keys, out=self._keys)
-        t.masked_fill_(truncated, 0)
+        w, ended = 5 + self._draws_per_step, truncated.unsqueeze(0)
+        keys = self._keys.index_select(0, self._roll)
+        torch.where(ended, keys[:w], keys[w:], out=self._keys[:w])
+        ctr[:7].addcmul_(self._end_delta, ended)  # episode + 1; t, t + 2 back to 0, 2
+        ctr[1].bitwise_and_(MASK)
         self.episode_return.masked_fill_(truncated, 0.0)
         return truncated, info

@@ -228,15 +228,13 @@ def _step_by_parts(env: ForageTorch, actions: torch.Tensor,
     ``STEP_PARTS`` made through ``part(name, method, *args)``: the parts are timed where they
     are called, and the env is left as it is (a test holds this to ``ForageTorch.step``: the
     same outputs and state, step for step)."""
-    actions = check_actions(actions, env.n_envs, env.device)
-    cell, reward = part("move and eat", env._walk, actions)
-    draws = env._draws_now()
-    env.t += 1
-    passes, next_prefix = part("hash", env._hash, cell, reward, draws)
+    actions = check_actions(actions, env.n_envs, env.device, in_range=False)
+    cell = part("move and eat", env._walk, actions)
+    reward, passes = part("hash", env._hash, cell)
     for n, values, column in passes:
         col = part("find cells, write", env._place, n, values)
-        env._next_pos.scatter_(1, column, col[:, 1:])
-    truncated, info = part("episode end", env._end_episodes, reward, next_prefix)
+        env._next_pos.scatter_(1, column, col[1:].T)
+    truncated, info = part("episode end", env._end_episodes, reward)
     obs = part("observation", env.observation)
     if env.final_obs:
         info["final_observation"] = torch.where(truncated.view(-1, 1, 1, 1),
