@@ -224,7 +224,7 @@ STAGE_NAMES = tuple(s.name for s in STAGES)
 #: The stage a run uses when none is named, by device type: the fastest on that device in its
 #: recorded ladder (``results/ladder_<device>_*.json``; a test holds this to those files), not
 #: measured at start-up. The CPU's is ``results/ladder_cpu_quick.json``'s fastest; CUDA's is
-#: ``results/ladder_cuda_full.json``'s (an H100), which needs bf16: on a GPU without it the
+#: ``results/ladder_cuda_full.json``'s (an H200), which needs bf16: on a GPU without it the
 #: default is :data:`REFERENCE_STAGE`, the last rung that runs on every GPU (:func:`default_stage`).
 DEFAULT_STAGE: dict[str, str] = {"cpu": "numpy_vec", "cuda": "cuda_graphs"}
 
