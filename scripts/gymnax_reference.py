@@ -9,9 +9,9 @@ Setup (a venv of its own; JAX's CPU wheels and gymnax come from the package regi
 Each round times one whole 128-step episode of every env in turn (random actions drawn
 beforehand, warmup and JAX's compile excluded): ForageTorch stepped eagerly, ForageNumpy, and
 gymnax's ``env.step`` vmapped over the envs and jitted, called once per step (as ForageTorch's
-``step`` is; its auto-reset is part of the step). Also gymnax's 128 steps in one ``lax.scan``,
-one call per episode, the form JAX training loops use (compare it with a compiled loop, not
-with an eager step). Env steps/s, median and range over the rounds.
+``step`` is; its auto-reset is part of the step). Also ForageTorch's step through
+``torch.compile`` (one call per step), and gymnax's 128 steps in one ``lax.scan``, one call per
+episode, the form JAX training loops use. Env steps/s, median and range over the rounds.
 """
 from __future__ import annotations
 
@@ -64,15 +64,22 @@ def forage_runners(n: int, seed: int):
     acts = np.random.default_rng(seed).integers(0, 5, (STEPS, n))
     t_acts = torch.as_tensor(acts)
     numpy_env, torch_env = ForageNumpy(n, seed=seed), ForageTorch(n, seed=seed)
+    compiled_env = ForageTorch(n, seed=seed)
+    compiled_step = torch.compile(compiled_env.step, fullgraph=True)
 
     def torch_episode():
         for i in range(STEPS):
             torch_env.step(t_acts[i])
 
+    def compiled_episode():
+        for i in range(STEPS):
+            compiled_step(t_acts[i])
+
     def numpy_episode():
         for i in range(STEPS):
             numpy_env.step(acts[i])
-    return {"ForageTorch (eager)": torch_episode, "ForageNumpy": numpy_episode}
+    return {"ForageTorch (eager)": torch_episode, "ForageTorch (compiled step)": compiled_episode,
+            "ForageNumpy": numpy_episode}
 
 
 def main() -> None:
@@ -97,9 +104,10 @@ def main() -> None:
     for name, r in rates.items():
         print(f"  {name:<32} {statistics.median(r):>12,.0f} env steps/s "
               f"[{min(r):,.0f} - {max(r):,.0f}]")
-    torch_rate = statistics.median(rates["ForageTorch (eager)"])
-    for name in ("gymnax Breakout (jit per step)", "gymnax Breakout (scan)"):
-        print(f"ForageTorch / {name}: {torch_rate / statistics.median(rates[name]):.2f}x")
+    for mine in ("ForageTorch (eager)", "ForageTorch (compiled step)"):
+        for name in ("gymnax Breakout (jit per step)", "gymnax Breakout (scan)"):
+            ratio = statistics.median(rates[mine]) / statistics.median(rates[name])
+            print(f"{mine} / {name}: {ratio:.2f}x")
 
 
 if __name__ == "__main__":
