@@ -66,6 +66,14 @@ class Precision:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
+    def state_dict(self) -> dict:
+        """What training changes in the precision itself: nothing for fp32 and bf16."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a ``state_dict``; an empty one (fp32, bf16, or a state saved before precision
+        state was kept) leaves the precision as it is."""
+
 
 class ScaledPrecision(Precision):
     """fp16 autocast with a GradScaler: the loss is scaled before backward so that small
@@ -88,6 +96,17 @@ class ScaledPrecision(Precision):
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         self.scaler.step(optimizer)
         self.scaler.update()
+
+    def state_dict(self) -> dict:
+        """The scaler's scale and growth tracker (``GradScaler.state_dict``: it reads the scale
+        on the host, so a snapshot costs one sync here; empty while the scaler is disabled).
+        Warmup, the compile choice and checkpoints keep it, so an iteration they undo leaves
+        the scale as it was."""
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.scaler.load_state_dict(state)
 
 
 @dataclass(frozen=True)

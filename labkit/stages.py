@@ -31,7 +31,7 @@ import contextlib
 import contextvars
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -272,6 +272,9 @@ class PipelineState:
     generator: torch.Tensor
     global_step: int
     iteration: int
+    #: The precision's own state (an fp16 GradScaler's scale; empty for fp32 and bf16).
+    #: Optional: checkpoints written before it was kept load without it.
+    precision: dict = field(default_factory=dict)
 
     #: What differs between the ranks of a torchrun: their envs, episode stats and sampler.
     PER_RANK: ClassVar[tuple[str, ...]] = ("collector", "metrics", "generator")
@@ -280,15 +283,21 @@ class PipelineState:
     def keys(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
 
+    @classmethod
+    def required_keys(cls) -> tuple[str, ...]:
+        """The keys every saved state has (the others have defaults)."""
+        return tuple(f.name for f in fields(cls)
+                     if f.default is MISSING and f.default_factory is MISSING)
+
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.keys()}
 
     @classmethod
     def from_dict(cls, state: Mapping[str, Any]) -> PipelineState:
-        missing = [k for k in cls.keys() if k not in state]
+        missing = [k for k in cls.required_keys() if k not in state]
         if missing:
             raise KeyError(f"the state has no {', '.join(missing)}")
-        return cls(**{k: state[k] for k in cls.keys()})
+        return cls(**{k: state[k] for k in cls.keys() if k in state})
 
     def per_rank(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.PER_RANK}
@@ -465,7 +474,7 @@ class Pipeline:
             agent=self.agent.state_dict(), optimizer=self.optimizer.state_dict(),
             collector=self.collector.state_dict(), metrics=self.metrics.state_dict(),
             generator=self.generator.get_state(), global_step=self.global_step,
-            iteration=self.iteration_index))
+            iteration=self.iteration_index, precision=self.precision.state_dict()))
 
     @torch.no_grad()
     def load_state_dict(self, state: PipelineState) -> None:
@@ -475,6 +484,7 @@ class Pipeline:
         self.collector.load_state_dict(state.collector)
         self.metrics.load_state_dict(state.metrics)
         self.generator.set_state(state.generator)
+        self.precision.load_state_dict(state.precision)
         self.global_step = int(state.global_step)
         self.iteration_index = int(state.iteration)
 

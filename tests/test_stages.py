@@ -16,13 +16,14 @@ from labkit.executors import Compiled, CompiledIfFaster
 from labkit.measure.bench import measure_stage, run_ladder
 from labkit.measure.syncmeter import SyncMeter
 from labkit.ppo import PPOConfig
-from labkit.precision import Bf16, agrees, update_agreement
+from labkit.precision import Bf16, Fp32, ScaledPrecision, agrees, update_agreement
 from labkit.stages import (
     DEFAULT_STAGE,
     REFERENCE_STAGE,
     STAGE_NAMES,
     STAGES,
     Pipeline,
+    PipelineState,
     Stage,
     StageSkipped,
     default_stage,
@@ -345,6 +346,61 @@ def test_warmup_then_restore_computes_what_a_fresh_pipeline_computes(index, devi
         assert p.global_step == 0 and p.iteration_index == 0
         assert {k: float(v) for k, v in p.iteration().items()} == \
             {k: float(v) for k, v in a.items()}
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Fp16Overflowing(Fp32):
+    """fp16 with a GradScaler whose first scale overflows fp16's gradients: each step it
+    skips halves the scale, so an iteration changes the scaler's state."""
+
+    def __call__(self, device: torch.device) -> ScaledPrecision:
+        return ScaledPrecision("fp16", device.type, init_scale=2.0**40)
+
+
+def test_warmup_and_checkpoints_keep_an_fp16_scalers_state():
+    """The precision's own state is in the pipeline's snapshot: an iteration that warmup undoes
+    leaves a GradScaler's scale as it was (a GPU without bf16 runs stage 7 in fp16 with one),
+    and a saved state carries it; a state saved before it was kept still loads."""
+    stage = dataclasses.replace(STAGES[4], precision=_Fp16Overflowing())
+    with Pipeline(stage, RUN, CPU) as fresh, Pipeline(stage, RUN, CPU) as p:
+        before = p.precision.state_dict()
+        assert before["scale"] == 2.0**40
+        warmup(p)
+        assert p.precision.state_dict() == before
+        a, b = fresh.iteration(), p.iteration()
+        for key in a:  # a skipped step's grad norm is NaN in both
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, equal_nan=True)
+        after = p.precision.state_dict()
+        assert after["scale"] < before["scale"]  # the iteration skipped overflowing steps
+        saved = PipelineState.from_dict(p.state_dict().to_dict())
+        assert saved.precision == after
+        p.rewind()
+        assert p.precision.state_dict() == before
+        p.load_state_dict(saved)
+        assert p.precision.state_dict() == after
+        old = {k: v for k, v in saved.to_dict().items() if k != "precision"}
+        p.load_state_dict(PipelineState.from_dict(old))  # no precision state: left as it is
+        assert p.precision.state_dict() == after
+
+
+def test_a_checkpoint_with_a_bad_precision_state_is_refused_naming_the_field(tmp_path):
+    from labkit.app import checkpoint
+    from labkit.app.train import TrainConfig, train
+
+    cfg = TrainConfig.flat(stage="async_logging", device="cpu", n_envs=8, n_steps=16,
+                           total_steps=2 * 128, seed=3, spec=SPEC)
+    train(cfg, tmp_path / "run", progress=False)
+    path = tmp_path / "run" / checkpoint.FILENAME
+    payload = checkpoint.load(path)
+    assert payload["state"]["precision"] == {}  # fp32: nothing to keep
+    payload.pop("format")
+    for bad in ({"scale": float("nan")}, {"scale": -1.0}, {"_growth_tracker": 0}, [1.0]):
+        checkpoint.save(path, {**payload, "state": {**payload["state"], "precision": bad}})
+        with pytest.raises(checkpoint.CheckpointError, match="field 'state.precision' must"):
+            checkpoint.check(checkpoint.load(path), path)
+    state = {k: v for k, v in payload["state"].items() if k != "precision"}  # an older run's
+    checkpoint.save(path, {**payload, "state": state})
+    checkpoint.check(checkpoint.load(path), path)
 
 
 def test_config_errors_surface_before_a_pipeline_is_built():

@@ -35,7 +35,7 @@ FILENAME = "checkpoint.pt"
 MAGIC = b"LABKITCK"
 #: What a checkpoint payload holds, and what its state holds.
 KEYS = ("format", "config", "device", "wall_s", "state")
-STATE_KEYS = PipelineState.keys()
+STATE_KEYS = PipelineState.required_keys()
 
 
 class CheckpointError(ValueError):
@@ -117,12 +117,22 @@ def check(payload: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
                               f"{' or '.join(PART_PHASE)} to {{'kept': "
                               f"{' or '.join(map(repr, KINDS))}, 'why': str, ...}} (a timed "
                               f"choice with its phase and timings); got {choices!r:.200}")
+    precision = state.get("precision", {})  # absent before precision state was kept
+    if not isinstance(precision, dict) or (precision and not _scale_ok(precision.get("scale"))):
+        raise CheckpointError(f"{path}: field 'state.precision' must be empty (fp32, bf16) or "
+                              f"a GradScaler's state with a finite scale > 0; got "
+                              f"{precision!r:.200}")
     for part in ("agent", "optimizer"):
         bad = _first_non_finite(state[part], f"state.{part}")
         if bad:
             raise CheckpointError(f"{path}: field {bad!r} holds non-finite values (NaN or "
                                   "inf); this state cannot train")
     return payload
+
+
+def _scale_ok(scale: Any) -> bool:
+    return isinstance(scale, (int, float)) and not isinstance(scale, bool) \
+        and math.isfinite(scale) and scale > 0
 
 
 def _choice_ok(made: Any) -> bool:
