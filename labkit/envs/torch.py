@@ -390,16 +390,16 @@ class ForageTorch:
         + j, from k copies of F0."""
         ctr, k, draws, t = self._ctr, self._draws_per_step, self._n_draws, self.t
         w = 5 + k
-        mixed = self._keys[w:]
-        keys = self._keys[:w] ^ ctr[1:w + 1]
-        if k > 1:
+        keys, mixed = self._keys[:w], self._keys[w:]
+        x = keys ^ ctr[1:w + 1]
+        if k > 1:  # the draws t * k + j, xored into the copies of F0
             d = torch.add(self._draw_offsets.unsqueeze(1), t, alpha=k)
-            keys[4] = self._keys[4] ^ d[0]
-            keys[6:] = self._keys[6:w] ^ d[1:]
+            x[4] = keys[4] ^ d[0]
+            x[6:] = keys[6:] ^ d[1:]
             d = d.clamp(max=draws)
         else:
             d = t.clamp(max=draws).unsqueeze(0)
-        mix(keys, out=mixed)
+        mix(x, out=mixed)
         ctr[5:7].add_(1)
         passes = []
         for j in range(k):  # after the first, the rows of "nothing eaten" (c = EMPTY)
