@@ -98,15 +98,26 @@ class ScaledPrecision(Precision):
         self.scaler.update()
 
     def state_dict(self) -> dict:
-        """The scaler's scale and growth tracker (``GradScaler.state_dict``: it reads the scale
-        on the host, so a snapshot costs one sync here; empty while the scaler is disabled).
-        Warmup, the compile choice and checkpoints keep it, so an iteration they undo leaves
-        the scale as it was."""
-        return self.scaler.state_dict()
+        """Copies of the scaler's scale and growth tracker, on the device (no host read:
+        ``GradScaler.state_dict`` would read both); empty while the scaler is disabled.
+        Warmup, the compile choice and checkpoints keep them, so an iteration they undo leaves
+        the scale as it was. The scaler's tensors are made here if no step has made them."""
+        scaler = self.scaler
+        if not scaler.is_enabled():
+            return {}
+        if scaler._scale is None:  # torch makes them lazily, at the first scale()
+            scaler._lazy_init_scale_growth_tracker(torch.device(self.device_type))
+        return {"scale": scaler._scale.detach().clone(),
+                "growth_tracker": scaler._growth_tracker.detach().clone()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state:
-            self.scaler.load_state_dict(state)
+        if not state or not self.scaler.is_enabled():
+            return
+        scaler = self.scaler
+        if scaler._scale is None:
+            scaler._lazy_init_scale_growth_tracker(torch.device(self.device_type))
+        scaler._scale.copy_(state["scale"])  # in place, like every restore
+        scaler._growth_tracker.copy_(state["growth_tracker"])
 
 
 @dataclass(frozen=True)

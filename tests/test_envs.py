@@ -238,9 +238,9 @@ def test_checkpoints_cross_implementations() -> None:
 
 
 def test_step_ops() -> None:
-    """At most 50 non-view aten ops per step (counted below any wrapper; each one a kernel
-    launch on a GPU), the number the module's docstring says, the same ops whether no episode
-    or every episode ends."""
+    """At most 50 non-view aten ops per step (counted below any wrapper: the dispatches a GPU
+    pays kernel launches for), the number the module's docstring says, the same ops whether no
+    episode or every episode ends."""
     import labkit.envs.torch as module
     from labkit.measure.profiling import dispatch_ops
 

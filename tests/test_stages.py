@@ -363,24 +363,30 @@ def test_warmup_and_checkpoints_keep_an_fp16_scalers_state():
     and a saved state carries it; a state saved before it was kept still loads."""
     stage = dataclasses.replace(STAGES[4], precision=_Fp16Overflowing())
     with Pipeline(stage, RUN, CPU) as fresh, Pipeline(stage, RUN, CPU) as p:
-        before = p.precision.state_dict()
-        assert before["scale"] == 2.0**40
+        def scaler_state():
+            return {k: v.item() for k, v in p.precision.state_dict().items()}
+
+        before = scaler_state()
+        assert before == {"scale": 2.0**40, "growth_tracker": 0}
+        with SyncMeter() as meter:
+            p.state_dict()
+        assert meter.host_reads == 0, meter.counts  # the snapshot reads nothing on the host
         warmup(p)
-        assert p.precision.state_dict() == before
+        assert scaler_state() == before
         a, b = fresh.iteration(), p.iteration()
         for key in a:  # a skipped step's grad norm is NaN in both
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, equal_nan=True)
-        after = p.precision.state_dict()
+        after = scaler_state()
         assert after["scale"] < before["scale"]  # the iteration skipped overflowing steps
         saved = PipelineState.from_dict(p.state_dict().to_dict())
-        assert saved.precision == after
+        assert {k: v.item() for k, v in saved.precision.items()} == after
         p.rewind()
-        assert p.precision.state_dict() == before
+        assert scaler_state() == before
         p.load_state_dict(saved)
-        assert p.precision.state_dict() == after
+        assert scaler_state() == after
         old = {k: v for k, v in saved.to_dict().items() if k != "precision"}
         p.load_state_dict(PipelineState.from_dict(old))  # no precision state: left as it is
-        assert p.precision.state_dict() == after
+        assert scaler_state() == after
 
 
 def test_a_checkpoint_with_a_bad_precision_state_is_refused_naming_the_field(tmp_path):
@@ -394,10 +400,18 @@ def test_a_checkpoint_with_a_bad_precision_state_is_refused_naming_the_field(tmp
     payload = checkpoint.load(path)
     assert payload["state"]["precision"] == {}  # fp32: nothing to keep
     payload.pop("format")
-    for bad in ({"scale": float("nan")}, {"scale": -1.0}, {"_growth_tracker": 0}, [1.0]):
+    scale, tracker = torch.tensor(1.0), torch.tensor(0, dtype=torch.int32)
+    for bad in ({"scale": torch.tensor(float("nan")), "growth_tracker": tracker},
+                {"scale": torch.tensor(-1.0), "growth_tracker": tracker},
+                {"scale": scale, "growth_tracker": torch.tensor(-1, dtype=torch.int32)},
+                {"scale": torch.tensor(1.0, dtype=torch.float64), "growth_tracker": tracker},
+                {"scale": 1.0, "growth_tracker": 0}, {"scale": scale}, [1.0]):
         checkpoint.save(path, {**payload, "state": {**payload["state"], "precision": bad}})
         with pytest.raises(checkpoint.CheckpointError, match="field 'state.precision' must"):
             checkpoint.check(checkpoint.load(path), path)
+    good = {"scale": scale, "growth_tracker": tracker}
+    checkpoint.save(path, {**payload, "state": {**payload["state"], "precision": good}})
+    checkpoint.check(checkpoint.load(path), path)
     state = {k: v for k, v in payload["state"].items() if k != "precision"}  # an older run's
     checkpoint.save(path, {**payload, "state": state})
     checkpoint.check(checkpoint.load(path), path)

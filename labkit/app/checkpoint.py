@@ -118,10 +118,10 @@ def check(payload: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
                               f"{' or '.join(map(repr, KINDS))}, 'why': str, ...}} (a timed "
                               f"choice with its phase and timings); got {choices!r:.200}")
     precision = state.get("precision", {})  # absent before precision state was kept
-    if not isinstance(precision, dict) or (precision and not _scale_ok(precision.get("scale"))):
+    if not isinstance(precision, dict) or (precision and not _scaler_ok(precision)):
         raise CheckpointError(f"{path}: field 'state.precision' must be empty (fp32, bf16) or "
-                              f"a GradScaler's state with a finite scale > 0; got "
-                              f"{precision!r:.200}")
+                              f"a GradScaler's {{'scale': one float32 in (0, 3.4e38), "
+                              f"'growth_tracker': one int32 >= 0}}; got {precision!r:.200}")
     for part in ("agent", "optimizer"):
         bad = _first_non_finite(state[part], f"state.{part}")
         if bad:
@@ -130,9 +130,14 @@ def check(payload: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
     return payload
 
 
-def _scale_ok(scale: Any) -> bool:
-    return isinstance(scale, (int, float)) and not isinstance(scale, bool) \
-        and math.isfinite(scale) and scale > 0
+def _scaler_ok(state: dict) -> bool:
+    """A GradScaler's saved tensors (``ScaledPrecision.state_dict``), each one element."""
+    scale, tracker = state.get("scale"), state.get("growth_tracker")
+    return set(state) == {"scale", "growth_tracker"} \
+        and isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 \
+        and scale.numel() == 1 and bool(torch.isfinite(scale).all() & (scale > 0).all()) \
+        and isinstance(tracker, torch.Tensor) and tracker.dtype == torch.int32 \
+        and tracker.numel() == 1 and bool((tracker >= 0).all())
 
 
 def _choice_ok(made: Any) -> bool:

@@ -2,9 +2,9 @@
 
 Every branch of ForagePy becomes a ``torch.where`` or a write routed to a cell where it changes
 nothing; shapes are static and the state is updated in place, so ``step`` can be compiled or
-captured in a CUDA graph. A step is 48 non-view ops (each a kernel launch on a GPU; the default
-spec, no final observations) whatever N is and whichever episodes end. What makes it fast is
-what it does *not* do on every step:
+captured in a CUDA graph. A step is 48 non-view ops (dispatches, each but one allocation a
+kernel launch or more on a GPU; the default spec, no final observations) whatever N is and
+whichever episodes end. What makes it fast is what it does *not* do on every step:
 
 * **The reset is built ahead.** The next episode's layout depends only on (seed, env, episode),
   so it is built one placement draw per step while the current episode runs, in a second grid
@@ -31,9 +31,10 @@ ForageNumpy's layout (flat grids padded with walls, flat positions), the same as
 ForageTorchLoop's, and ``load_state_dict`` rebuilds the rest, so checkpoints written before this
 design load unchanged, and envs may be at different steps of their episodes.
 
-An action out of range fails the gather that looks it up in the move table: on the CPU it
-raises at once, before any write (re-raised here as ValueError); on CUDA it is a device-side
-assert that fails a later call and poisons the CUDA context, the price of not syncing to check.
+An action out of range fails the gather that looks it up in the move table: an eager step on
+the CPU raises at once, before any write (re-raised here as ValueError); compiled code raises
+its own index error; on CUDA it is a device-side assert that fails a later call and poisons the
+CUDA context, the price of not syncing to check.
 """
 from __future__ import annotations
 
@@ -168,7 +169,8 @@ class ForageTorch:
         self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self._next_pos = torch.zeros(n, 2, dtype=torch.int64, device=dev)
         #: Hash keys and their mixes, one row each, [2 * (5 + k), N] int64: the keys S, F, G,
-        #: P, F0, E and k - 1 more copies of F0, then mix(keys ^ counters[1:6 + k]) (``_hash``).
+        #: P, F0, E and k - 1 more copies of F0, then their mixes after the xor with the
+        #: counters' rows 1 to 5 + k (the copies of F0 with the step's draws: ``_hash``).
         self._keys = torch.zeros(2 * (5 + k), n, dtype=torch.int64, device=dev)
         self._n = torch.zeros(k, 2, n, dtype=self._count_dtype, device=dev)  # scratch
         self._free = torch.empty(2, n, self._n_cells, dtype=torch.int8, device=dev)  # scratch
@@ -286,7 +288,8 @@ class ForageTorch:
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every tensor of env state the step reads or writes in place. Compiled code and CUDA
         graphs hold these very tensors, so ``reset`` and ``load_state_dict`` write into them
-        (``episode`` and ``t`` are views of ``_ctr``)."""
+        (``episode`` and ``t`` are views of ``_ctr``). Change the state through those two only:
+        the hash keys are derived from ``t`` and ``episode`` there, not on every step."""
         return {name: getattr(self, name) for name in (
             "seed", "episode", "t", "episode_return", "lanes", "pos", "_next_pos", "_ctr",
             "_keys", "_n", "_free")}
@@ -349,7 +352,7 @@ class ForageTorch:
     def _walk(self, actions: torch.Tensor) -> torch.Tensor:
         """Move unless the target is a wall (AGENT_CELL moves with the agent); the kind of the
         cell moved to, before the move. The actions' range is checked by the gather that
-        looks them up: on the CPU it raises (re-raised as ValueError) before any write."""
+        looks them up: eager on the CPU it raises (re-raised as ValueError) before any write."""
         here, pos = self.lanes[0], self.pos
         moves = self._move.index_select(0, pos)
         if torch.compiler.is_compiling():  # compiled code checks indices with device asserts

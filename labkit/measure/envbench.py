@@ -218,7 +218,7 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
 
 
 #: ForageTorch.step by part: the method that does each.
-STEP_PARTS = {"move and eat": "_walk", "hash": "_hash", "find cells, write": "_place",
+STEP_PARTS = {"move": "_walk", "hash and reward": "_hash", "find cells, write": "_place",
               "episode end": "_end_episodes", "observation": "observation"}
 
 
@@ -229,8 +229,8 @@ def _step_by_parts(env: ForageTorch, actions: torch.Tensor,
     are called, and the env is left as it is (a test holds this to ``ForageTorch.step``: the
     same outputs and state, step for step)."""
     actions = check_actions(actions, env.n_envs, env.device, in_range=False)
-    cell = part("move and eat", env._walk, actions)
-    reward, passes = part("hash", env._hash, cell)
+    cell = part("move", env._walk, actions)
+    reward, passes = part("hash and reward", env._hash, cell)
     for n, values, column in passes:
         col = part("find cells, write", env._place, n, values)
         env._next_pos.scatter_(1, column, col[1:].T)
