@@ -357,12 +357,17 @@ class _Fp16Overflowing(Fp32):
         return ScaledPrecision("fp16", device.type, init_scale=2.0**40)
 
 
-def test_warmup_and_checkpoints_keep_an_fp16_scalers_state():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[needs_cuda,
+                                                                        pytest.mark.cuda])])
+def test_warmup_and_checkpoints_keep_an_fp16_scalers_state(device):
     """The precision's own state is in the pipeline's snapshot: an iteration that warmup undoes
     leaves a GradScaler's scale as it was (a GPU without bf16 runs stage 7 in fp16 with one),
     and a saved state carries it; a state saved before it was kept still loads."""
+    from labkit.device import deterministic
+
     stage = dataclasses.replace(STAGES[4], precision=_Fp16Overflowing())
-    with Pipeline(stage, RUN, CPU) as fresh, Pipeline(stage, RUN, CPU) as p:
+    with deterministic(), Pipeline(stage, RUN, device) as fresh, \
+            Pipeline(stage, RUN, device) as p:
         def scaler_state():
             return {k: v.item() for k, v in p.precision.state_dict().items()}
 
