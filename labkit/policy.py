@@ -196,23 +196,87 @@ class PopArtValueHead(nn.Module):
         self.std.copy_(std)
 
 
-class Agent(nn.Module):
-    """conv(3->16, 3x3) -> ReLU -> conv(16->32, 3x3) -> ReLU -> flatten -> linear(128) -> ReLU
-    (``body="attention"``: :class:`AttentionBody`) -> policy logits (5) and a value head
-    ("plain" or "popart")."""
+CONV_MATHS = ("conv2d", "matmul")
 
-    def __init__(self, view: int = 7, value_head: str = "plain", body: str = "conv") -> None:
-        super().__init__()
-        check_view(view)
-        if value_head not in VALUE_HEADS:
-            raise ValueError(f"value_head must be one of {VALUE_HEADS}, got {value_head!r}")
-        self.view = view
-        self.body = AttentionBody(view) if check_body(body) == "attention" else nn.Sequential(
+
+class ConvBody(nn.Sequential):
+    """conv(3->16, 3x3) -> ReLU -> conv(16->32, 3x3) -> ReLU -> flatten -> linear(128) -> ReLU,
+    with its convolutions computed one of two ways (``conv_math``, the same parameters and
+    the same function within float rounding):
+
+    * ``"conv2d"``: ``nn.Conv2d``, the library's convolution kernels (cuDNN, oneDNN);
+    * ``"matmul"``: each convolution as one matrix product, ``x.flatten(1) @ D`` with ``D``
+      its weight laid out densely, (C*H*W, O*H'*W'): entry (input cell, output cell) is the
+      weight that joins them, 0 where the 3x3 window does not reach. ``D`` is the convolution
+      applied to every basis image (``F.conv2d`` of the identity, one small call), so it stays
+      differentiable in the weight. It multiplies 5.4x (first conv) and 2.8x (second) the
+      convolutions' multiply-adds, mostly by zeros, but as one wide matmul: where the narrow
+      channel counts (3, 16, 32) leave a conv kernel's matmul units idle, as with oneDNN's bf16
+      convolutions on a CPU with AMX, it can still be faster. Which is faster is measured,
+      never assumed (``python -m labkit bench-update``).
+    """
+
+    def __init__(self, view: int = 7, conv_math: str = "conv2d") -> None:
+        super().__init__(
             layer_init(nn.Conv2d(N_CHANNELS, 16, 3)), nn.ReLU(),
             layer_init(nn.Conv2d(16, 32, 3)), nn.ReLU(),
             nn.Flatten(),
             layer_init(nn.Linear(32 * (view - 4) ** 2, HIDDEN)), nn.ReLU(),
         )
+        self.view = check_view(view)
+        self.conv_math = conv_math
+
+    @property
+    def conv_math(self) -> str:
+        return self._conv_math
+
+    @conv_math.setter
+    def conv_math(self, value: str) -> None:
+        """Set it after ``.to(device)`` or before: "matmul" keeps one basis per convolution,
+        (C*H*W, C, H, W), as buffers that move with the module but are not saved (so a
+        state dict is the same either way); "conv2d" drops them."""
+        if value not in CONV_MATHS:
+            raise ValueError(f"conv_math must be one of {', '.join(CONV_MATHS)}; got {value!r}")
+        self._conv_math = value
+        for name, conv, side in (("_basis1", self[0], self.view),
+                                 ("_basis2", self[2], self.view - 2)):
+            cells = conv.in_channels * side * side
+            basis = torch.eye(cells, dtype=conv.weight.dtype, device=conv.weight.device)
+            self.register_buffer(name, basis.view(cells, conv.in_channels, side, side)
+                                 if value == "matmul" else None, persistent=False)
+
+    @staticmethod
+    def dense(conv: nn.Conv2d, basis: torch.Tensor) -> torch.Tensor:
+        """``conv``'s weight as the (C*H*W, O*H'*W') matrix of :attr:`conv_math` "matmul"."""
+        return F.conv2d(basis, conv.weight).flatten(1)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        """obs (B, 3, V, V) float -> features (B, 128)."""
+        if self._conv_math == "conv2d":
+            return super().forward(obs)
+        x = obs.flatten(1)
+        for conv, basis in ((self[0], self._basis1), (self[2], self._basis2)):
+            cells = basis.shape[-1] - 2
+            bias = conv.bias.view(-1, 1).expand(-1, cells * cells).flatten()
+            x = F.relu(torch.addmm(bias, x, self.dense(conv, basis)))
+        return F.relu(self[5](x))
+
+
+class Agent(nn.Module):
+    """conv(3->16, 3x3) -> ReLU -> conv(16->32, 3x3) -> ReLU -> flatten -> linear(128) -> ReLU
+    (:class:`ConvBody`, its convolutions run as ``conv_math`` says; ``body="attention"``:
+    :class:`AttentionBody`) -> policy logits (5) and a value head ("plain" or "popart")."""
+
+    def __init__(self, view: int = 7, value_head: str = "plain", body: str = "conv",
+                 conv_math: str = "conv2d") -> None:
+        super().__init__()
+        check_view(view)
+        if value_head not in VALUE_HEADS:
+            raise ValueError(f"value_head must be one of {VALUE_HEADS}, got {value_head!r}")
+        if check_body(body) == "attention" and conv_math != "conv2d":
+            raise ValueError(f"conv_math applies to the conv body; body is {body!r}")
+        self.view = view
+        self.body = AttentionBody(view) if body == "attention" else ConvBody(view, conv_math)
         self.actor = layer_init(nn.Linear(HIDDEN, N_ACTIONS), std=0.01)
         self.value_head = ValueHead(HIDDEN) if value_head == "plain" else PopArtValueHead(HIDDEN)
 

@@ -14,15 +14,23 @@ def test_every_variant_is_timed_at_every_size_and_written(tmp_path, capsys):
                  "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "bench_update_cpu.json").read_text())
     rows = result["rows"]
-    assert [(r["minibatch"], r["executor"], r["precision"]) for r in rows] == [
-        (n, ex, prec) for n in (64, 128) for ex, prec in VARIANTS + CPU_VARIANTS]
+    assert [(r["minibatch"], r["executor"], r["precision"], r["conv_math"]) for r in rows] == [
+        (n, *v) for n in (64, 128) for v in VARIANTS + CPU_VARIANTS]
     assert all(r["threads"] == 1 and len(r["samples_ms"]) == 2 for r in rows)
     assert all(r["min_ms"] <= r["median_ms"] <= r["max_ms"] and r["median_ms"] > 0
                for r in rows)
     assert [r["x_eager_fp32"] for r in rows if r["executor"] == "eager"
-            and r["precision"] == "fp32"] == [1.0, 1.0]
+            and r["precision"] == "fp32" and r["conv_math"] == "conv2d"] == [1.0, 1.0]
+    # the share of the matmul peak: the model's FLOPs per second over the dtype's peak
+    from labkit.policy import flops_per_sample
+    for r in rows:
+        assert r["model_flops"] == flops_per_sample()["train"] * r["minibatch"]
+        assert r["frac_of_peak"] == pytest.approx(
+            r["model_flops"] / (r["median_ms"] / 1e3) / r["peak_flops"])
+        assert 0 < r["frac_of_peak"] and r["peak_flops"] > 1e9
     out = capsys.readouterr().out
-    assert "compiled bf16" in out and "compiled/256b fp32" in out
+    assert "compiled bf16 matmul" in out and "compiled/256b fp32 conv2d" in out
+    assert "% peak" in out
     assert out.rstrip().endswith("bench_update_cpu.json")
     # its compiles are dropped: left, they counted towards dynamo's recompile limit, and the
     # next fullgraph compile of the loss in the process (a stage's, say) failed
@@ -30,7 +38,7 @@ def test_every_variant_is_timed_at_every_size_and_written(tmp_path, capsys):
 
     from labkit.measure.updatebench import _steps
     from labkit.ppo import PPOConfig
-    _steps(96, torch.device("cpu"), PPOConfig())["compiled", "bf16"]()
+    _steps(96, torch.device("cpu"), PPOConfig())["compiled", "bf16", "conv2d"]()
 
 
 @pytest.mark.parametrize("sizes", [["4096:x"], ["0"], ["3:-2"], ["64:0"]])

@@ -34,6 +34,58 @@ def test_bad_arguments_name_the_field():
         Agent(view=3)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("view", [7, 9])
+def test_matmul_convolutions_compute_what_conv2d_does(device, view):
+    """conv_math "matmul" runs each convolution as one product with the weight laid out
+    densely: the same parameters (the same state dict, the same initial weights), the same
+    outputs and gradients within fp32 rounding (relative 1e-5), and under bf16 autocast within
+    bf16's (outputs of the two compared against each other, 2e-2 relative to their range)."""
+    torch.manual_seed(0)
+    ref = Agent(view=view).to(device)
+    torch.manual_seed(0)
+    mm = Agent(view=view, conv_math="matmul").to(device)
+    assert mm.body.conv_math == "matmul" and ref.body.conv_math == "conv2d"
+    assert ref.state_dict().keys() == mm.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(),
+                                                  mm.state_dict().values()))
+    obs = _obs(37, view).to(device)
+    outs = []
+    for agent in (ref, mm):
+        logits, value = agent(obs)
+        (logits.square().sum() + value.sum()).backward()
+        outs.append((logits, value, [p.grad for p in agent.parameters()]))
+    (l1, v1, g1), (l2, v2, g2) = outs
+    torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * a.abs().max().item())
+    with torch.autocast(device, torch.bfloat16):
+        (l1, v1), (l2, v2) = ref(obs), mm(obs)
+    assert l2.dtype == l1.dtype == torch.bfloat16
+    for a, b in ((l1, l2), (v1, v2)):
+        assert (a.float() - b.float()).abs().max() <= 2e-2 * a.float().abs().max()
+
+
+def test_conv_math_is_checked_and_switchable():
+    agent = Agent()
+    with pytest.raises(ValueError, match="conv_math must be one of conv2d, matmul; got 'fft'"):
+        agent.body.conv_math = "fft"
+    with pytest.raises(ValueError, match="conv_math must be one of"):
+        Agent(conv_math="fft")
+    with pytest.raises(ValueError, match="conv_math applies to the conv body"):
+        Agent(body="attention", conv_math="matmul")
+    obs = _obs(5)
+    before = agent(obs)[0]
+    agent.body.conv_math = "matmul"  # its bases are buffers, not saved
+    assert {n for n, _ in agent.named_buffers()} == {"body._basis1", "body._basis2"}
+    assert "body._basis1" not in agent.state_dict()
+    torch.testing.assert_close(agent(obs)[0], before, rtol=1e-5, atol=1e-7)
+    agent.body.conv_math = "conv2d"
+    assert not list(agent.named_buffers())
+    assert torch.equal(agent(obs)[0], before)
+
+
 def test_flops_match_hand_count():
     macs = 5 * 5 * 16 * (3 * 9) + 3 * 3 * 32 * (16 * 9) + 288 * 128 + 128 * 5 + 128 * 1
     assert macs == 89_904

@@ -1,8 +1,11 @@
 """The PPO update alone, in each way a stage can run it: the loss eager or compiled (as
-:class:`labkit.executors.Compiled` compiles it), in fp32 or under bf16 autocast, at chosen
-minibatch sizes and thread counts. One minibatch step each (forward, backward, grad clip, Adam
-on the reference agent), timed in interleaved rounds; medians with the min-max spread. What
-decides, on a given CPU, whether compile and bf16 pay: ``python -m labkit bench-update``.
+:class:`labkit.executors.Compiled` compiles it), in fp32 or under bf16 autocast, with the
+agent's convolutions as ``nn.Conv2d`` or as one matmul each (:class:`labkit.policy.ConvBody`'s
+``conv_math``), at chosen minibatch sizes and thread counts. One minibatch step each (forward,
+backward, grad clip, Adam on the reference agent), timed in interleaved rounds; medians with
+the min-max spread, and the model work per second as a share of a large matmul's rate in the
+variant's dtype, measured at the size's thread count. What decides, on a given CPU, whether
+compile, bf16 and the matmul convolutions pay: ``python -m labkit bench-update``.
 """
 from __future__ import annotations
 
@@ -12,29 +15,32 @@ from functools import partial
 import torch
 
 from ..device import run_metadata
-from ..policy import Agent
+from ..policy import Agent, flops_per_sample
 from ..ppo import Batch, PPOConfig, minibatch_step, ppo_loss
 from ..precision import Precision
 from ..timing import timed
 from . import tables
+from .bench import PEAK_DTYPES, matmul_peak_flops
 
-#: (executor, precision) of each timed variant, the reference first.
-VARIANTS = (("eager", "fp32"), ("eager", "bf16"), ("compiled", "fp32"), ("compiled", "bf16"))
+#: (executor, precision, conv_math) of each timed variant, the reference first.
+VARIANTS = tuple((ex, prec, math) for math in ("conv2d", "matmul")
+                 for ex in ("eager", "compiled") for prec in ("fp32", "bf16"))
 #: On the CPU also: the loss compiled to C++ with 256-bit vectors (``cpp.simdlen=8``, in that
 #: one compile's options) where inductor's default on an AVX-512 core is 512-bit. Its slowest
 #: kernel here (the ReLU with its mask saved for backward, 5.4 ms a call at minibatch 4,096 on
 #: the 2-core Xeon it was found on) runs several times faster in 256-bit code.
-CPU_VARIANTS = (("compiled/256b", "fp32"), ("compiled/256b", "bf16"))
+CPU_VARIANTS = (("compiled/256b", "fp32", "conv2d"), ("compiled/256b", "bf16", "conv2d"))
 
 TABLE = tables.Table((
     tables.Column("minibatch", "minibatch", lambda r: f"{r['minibatch']:,}", 9),
     tables.Column("threads", "threads", lambda r: str(r["threads"] or "-"), 7),
-    tables.Column("variant", "variant", lambda r: f"{r['executor']} {r['precision']}", 18,
-                  left=True),
+    tables.Column("variant", "variant",
+                  lambda r: f"{r['executor']} {r['precision']} {r['conv_math']}", 25, left=True),
     tables.Column("median ms", "median ms", lambda r: f"{r['median_ms']:.1f}", 9),
     tables.Column("min", "min ms", lambda r: f"{r['min_ms']:.1f}", 7),
     tables.Column("max", "max ms", lambda r: f"{r['max_ms']:.1f}", 7),
     tables.Column("x eager", "x eager fp32", lambda r: f"{r['x_eager_fp32']:.2f}", 7),
+    tables.Column("% peak", "% of matmul peak", lambda r: f"{100 * r['frac_of_peak']:.1f}", 6),
 ))
 
 
@@ -50,37 +56,44 @@ def _minibatch(n: int, device: torch.device, generator: torch.Generator) -> Batc
                  returns=rand(n), values=rand(n))
 
 
-def _steps(n: int, device: torch.device, cfg: PPOConfig) -> dict[tuple[str, str], partial]:
+def _steps(n: int, device: torch.device, cfg: PPOConfig
+           ) -> dict[tuple[str, str, str], partial]:
+    """One minibatch step per variant, each on its own agent (the same initial weights) and
+    optimizer."""
     from ..executors import Compiled
     from ..update import Adam
 
-    torch.manual_seed(0)
-    agent = Agent().to(device)
-    params = list(agent.parameters())
-    optimizer = Adam()(params, cfg, device)
-    loss = {"eager": partial(ppo_loss, agent, cfg=cfg),
-            "compiled": Compiled().wrap_model(partial(ppo_loss, agent, cfg=cfg))}
-    variants = VARIANTS
-    if device.type == "cpu":
-        loss["compiled/256b"] = torch.compile(partial(ppo_loss, agent, cfg=cfg), fullgraph=True,
-                                              options={"cpp.simdlen": 8})
-        variants += CPU_VARIANTS
+    variants = VARIANTS + (CPU_VARIANTS if device.type == "cpu" else ())
     mb = _minibatch(n, device, torch.Generator().manual_seed(0))
-    return {(ex, prec): partial(minibatch_step, mb, loss_fn=loss[ex], optimizer=optimizer,
-                                params=params, max_grad_norm=cfg.max_grad_norm,
-                                clip_grad=Adam.clip_grad,
-                                precision=Precision(prec, device.type))
-            for ex, prec in variants}
+    steps = {}
+    for ex, prec, math in variants:
+        torch.manual_seed(0)
+        agent = Agent().to(device)
+        agent.body.conv_math = math
+        params = list(agent.parameters())
+        loss = partial(ppo_loss, agent, cfg=cfg)
+        if ex == "compiled":
+            loss = Compiled().wrap_model(loss)
+        elif ex == "compiled/256b":
+            loss = torch.compile(loss, fullgraph=True, options={"cpp.simdlen": 8})
+        steps[ex, prec, math] = partial(
+            minibatch_step, mb, loss_fn=loss, optimizer=Adam()(params, cfg, device),
+            params=params, max_grad_norm=cfg.max_grad_norm, clip_grad=Adam.clip_grad,
+            precision=Precision(prec, device.type))
+    return steps
 
 
 def bench_update(device: torch.device, sizes: list[tuple[int, int]], rounds: int = 5) -> dict:
     """Each (minibatch, threads) of ``sizes``: every variant warmed up (compiled; twice),
-    then timed ``rounds`` times, the variants interleaved in each round. Threads are set on
-    the CPU only (and restored). At the end ``torch.compiler.reset()`` drops the compiles it
-    made: each size, precision and set of compile options is another cache entry of the one
-    code object dynamo keeps them on for every compiled ``partial``, and past its recompile
-    limit (8) the next ``fullgraph`` compile of the loss in the process (a stage's) failed."""
+    then timed ``rounds`` times, the variants interleaved in each round, and a large matmul
+    timed in each precision (:func:`labkit.measure.bench.matmul_peak_flops`). Threads are
+    set on the CPU only (and restored). After each size ``torch.compiler.reset()`` drops the
+    compiles it made: each size, precision, convolution math and set of compile options is
+    another cache entry of the one code object dynamo keeps them on for every compiled
+    ``partial``, and past its recompile limit (8) the next ``fullgraph`` compile of the loss
+    in the process (a stage's) failed."""
     rows, cfg, saved = [], PPOConfig(), torch.get_num_threads()
+    train_flops = flops_per_sample()["train"]
     try:
         for n, threads in sizes:
             if device.type == "cpu":
@@ -92,14 +105,19 @@ def bench_update(device: torch.device, sizes: list[tuple[int, int]], rounds: int
             for _ in range(rounds):
                 for key, step in steps.items():
                     times[key].append(timed(step, device)[0])
+            torch.compiler.reset()
+            peaks = {prec: matmul_peak_flops(device, dtype=PEAK_DTYPES[prec])["peak_flops"]
+                     for prec in ("fp32", "bf16")}
             reference = statistics.median(times[VARIANTS[0]])
-            for (ex, prec), found in times.items():
+            for (ex, prec, math), found in times.items():
                 median = statistics.median(found)
                 rows.append({"minibatch": n, "threads": threads if device.type == "cpu"
-                             else None, "executor": ex, "precision": prec,
+                             else None, "executor": ex, "precision": prec, "conv_math": math,
                              "median_ms": 1e3 * median, "min_ms": 1e3 * min(found),
                              "max_ms": 1e3 * max(found), "samples_ms": [1e3 * t for t in found],
-                             "x_eager_fp32": reference / median})
+                             "x_eager_fp32": reference / median,
+                             "model_flops": train_flops * n, "peak_flops": peaks[prec],
+                             "frac_of_peak": train_flops * n / median / peaks[prec]})
     finally:
         torch.set_num_threads(saved)
         torch.compiler.reset()
@@ -112,5 +130,7 @@ def format_table(result: dict) -> str:
         TABLE.text(result["rows"]),
         f"one minibatch step (PPO loss forward and backward, grad clip, Adam) on "
         f"{m['device_name']} ({m['device']}), torch {m['torch']}; "
-        f"{result['rounds']} interleaved rounds; x eager fp32: the eager fp32 median over the "
-        "row's (above 1: faster)"])
+        f"{result['rounds']} interleaved rounds; x eager fp32: the eager fp32 conv2d median over "
+        "the row's (above 1: faster); % peak: the model's FLOPs (forward and backward, "
+        "labkit.policy.flops_per_sample; not the zeros the matmul convolutions also multiply) "
+        "per second over a large matmul's in the row's dtype, on the row's threads"])
