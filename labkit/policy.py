@@ -209,11 +209,12 @@ class ConvBody(nn.Sequential):
       its weight laid out densely, (C*H*W, O*H'*W'): entry (input cell, output cell) is the
       weight that joins them, 0 where the 3x3 window does not reach. ``D`` is the convolution
       applied to every basis image (``F.conv2d`` of the identity, one small call), so it stays
-      differentiable in the weight. It multiplies 5.4x (first conv) and 2.8x (second) the
-      convolutions' multiply-adds, mostly by zeros, but as one wide matmul: where the narrow
-      channel counts (3, 16, 32) leave a conv kernel's matmul units idle, as with oneDNN's bf16
-      convolutions on a CPU with AMX, it can still be faster. Which is faster is measured,
-      never assumed (``python -m labkit bench-update``).
+      differentiable in the weight. At view 7 it does 5.4x (first conv) and 2.8x (second) the
+      convolutions' multiply-adds, the extra ones by zeros, but as one wide matmul: where the
+      narrow channel counts (3, 16, 32) leave a conv kernel's matmul units idle, as with
+      oneDNN's bf16 convolutions on a CPU with AMX, it can still be faster. Which is faster is
+      measured, never assumed: ``python -m labkit bench-update`` times both. The ladder's
+      stages run "conv2d".
     """
 
     def __init__(self, view: int = 7, conv_math: str = "conv2d") -> None:
@@ -256,8 +257,8 @@ class ConvBody(nn.Sequential):
             return super().forward(obs)
         x = obs.flatten(1)
         for conv, basis in ((self[0], self._basis1), (self[2], self._basis2)):
-            cells = basis.shape[-1] - 2
-            bias = conv.bias.view(-1, 1).expand(-1, cells * cells).flatten()
+            out_side = basis.shape[-1] - 2
+            bias = conv.bias.view(-1, 1).expand(-1, out_side * out_side).flatten()
             x = F.relu(torch.addmm(bias, x, self.dense(conv, basis)))
         return F.relu(self[5](x))
 
