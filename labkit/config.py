@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .envs.spec import ForageSpec, check_n_envs, check_seed
-from .policy import VALUE_HEADS, check_body
+from .policy import CONV_MATHS, VALUE_HEADS, check_body
 from .ppo import PPOConfig
 from .validate import check_int, check_type
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 PROFILES = ("quick", "full", "tiny")
 COMPILE_CHOICES = ("auto", "compiled", "eager")
+CONV_MATH_CHOICES = ("auto", *CONV_MATHS)
 
 
 def default_profile(device: torch.device) -> str:
@@ -54,6 +55,11 @@ class RunConfig:
     (time eager against compiled at warmup; keep compiled unless eager is faster by more than
     the spread), compiled or eager (forced: a reproducible choice). Stages 5-6 always compile;
     0-4 never do."""
+    conv_math: str = "auto"
+    """How the conv body runs its convolutions (``labkit.policy.ConvBody``): auto (the stages
+    that choose their model math by timing, fused_amp, also time conv2d against matmul at
+    warmup and keep conv2d unless matmul is faster by more than the spread; every other stage
+    runs conv2d), conv2d or matmul (forced, in any stage: a reproducible choice)."""
     spec: ForageSpec = field(default_factory=ForageSpec)
     """The environment."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
@@ -73,6 +79,11 @@ class RunConfig:
         if self.compile not in COMPILE_CHOICES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_CHOICES)}; got "
                              f"{self.compile!r}")
+        if self.conv_math not in CONV_MATH_CHOICES:
+            raise ValueError(f"conv_math must be one of {', '.join(CONV_MATH_CHOICES)}; got "
+                             f"{self.conv_math!r}")
+        if self.model != "conv" and self.conv_math == "matmul":
+            raise ValueError(f"conv_math=matmul needs the conv body; model is {self.model!r}")
         check_type("spec", self.spec, ForageSpec)
         check_type("ppo", self.ppo, PPOConfig)
         self.ppo.check_batch(self.n_envs, self.n_steps)

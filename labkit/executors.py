@@ -151,6 +151,31 @@ CHOICE_ROUNDS = 5
 PART_PHASE = {"rollout": "policy", "update": "update"}
 
 
+def _time_kinds(pipeline: Any, keep: Callable[[str], None], kinds: tuple[str, ...],
+                phases: dict[str, str], rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Milliseconds of each of ``phases`` ({phase: what runs in it, for the error}) in
+    ``rounds`` rounds of one iteration per kind, ``keep(kind)`` before each, the order
+    alternating, the state restored after each; before them, one untimed iteration of each
+    kind but the first (its own first calls: allocations, lazy init, a compile)."""
+    saved = pipeline.state_dict()
+    for kind in kinds[1:]:
+        keep(kind)
+        pipeline.iteration()
+        pipeline.load_state_dict(saved)
+    ms: dict[str, dict[str, list[float]]] = {ph: {k: [] for k in kinds} for ph in phases}
+    for r in range(rounds):
+        for kind in kinds if r % 2 else kinds[::-1]:
+            keep(kind)
+            found = timed_phases(pipeline)
+            pipeline.load_state_dict(saved)
+            for phase, what in phases.items():
+                if phase not in found:
+                    raise RuntimeError(f"cannot time {what}: the iteration marked no "
+                                       f"{phase!r} phase (marked: {', '.join(found) or 'none'})")
+                ms[phase][kind].append(found[phase])
+    return ms
+
+
 def choose(pipeline: Any, choices: dict[str, Choice], rounds: int = CHOICE_ROUNDS
            ) -> dict[str, dict]:
     """Time ``pipeline``'s iterations with every ``choices`` entry eager and with every one
@@ -159,27 +184,15 @@ def choose(pipeline: Any, choices: dict[str, Choice], rounds: int = CHOICE_ROUND
     compiled's fastest in the part's phase (``PART_PHASE``). Call it once the compiled code
     has run (``labkit.capture.warmup`` does): compiling is not what it times. Returns per part
     what was kept, why, and the milliseconds per iteration of each kind."""
-    saved = pipeline.state_dict()
-    ms: dict[str, dict[str, list[float]]] = {part: {k: [] for k in KINDS} for part in choices}
-    for choice in choices.values():  # eager's own first call (allocator, lazy init) untimed
-        choice.keep("eager")
-    pipeline.iteration()
-    pipeline.load_state_dict(saved)
-    for r in range(rounds):
-        for kind in KINDS if r % 2 else KINDS[::-1]:
-            for choice in choices.values():
-                choice.keep(kind)
-            phases = timed_phases(pipeline)
-            pipeline.load_state_dict(saved)
-            for part in choices:
-                if PART_PHASE[part] not in phases:
-                    raise RuntimeError(f"cannot time the {part}'s model math: the iteration "
-                                       f"marked no {PART_PHASE[part]!r} phase (marked: "
-                                       f"{', '.join(phases) or 'none'})")
-                ms[part][kind].append(phases[PART_PHASE[part]])
+    def keep(kind: str) -> None:
+        for choice in choices.values():
+            choice.keep(kind)
+
+    ms = _time_kinds(pipeline, keep, KINDS, {PART_PHASE[part]: f"the {part}'s model math"
+                                             for part in choices}, rounds)
     made = {}
     for part, choice in choices.items():
-        eager, compiled = ms[part]["eager"], ms[part]["compiled"]
+        eager, compiled = (ms[PART_PHASE[part]][k] for k in ("eager", "compiled"))
         kept = "eager" if max(eager) < min(compiled) else "compiled"
         choice.keep(kept)
         made[part] = {"kept": kept, "why": "timed", "phase": PART_PHASE[part],
@@ -187,18 +200,57 @@ def choose(pipeline: Any, choices: dict[str, Choice], rounds: int = CHOICE_ROUND
     return made
 
 
+def choose_conv_math(pipeline: Any, body: Any, parts: Any, rounds: int = CHOICE_ROUNDS
+                     ) -> dict[str, dict]:
+    """Time ``pipeline``'s iterations with ``body``'s convolutions (a
+    :class:`labkit.policy.ConvBody`) as conv2d and as matmul, ``rounds`` of each, interleaved,
+    the state restored after each (one untimed matmul iteration first: its bases, and the
+    compile of its variant where the model math is compiled), and keep for each of ``parts``
+    conv2d unless matmul's slowest iteration beat conv2d's fastest in the part's phase
+    (``PART_PHASE``). Returns per part what was kept, why, and the milliseconds per iteration
+    of each; the pipeline runs each part's convolutions as kept (``Pipeline.keep_conv_math``).
+    """
+    def keep(math: str) -> None:
+        body.conv_math = math
+
+    ms = _time_kinds(pipeline, keep, CONV_KINDS, {PART_PHASE[part]: f"the {part}'s model math"
+                                                  for part in parts}, rounds)
+    made = {}
+    for part in parts:
+        conv2d, matmul = (ms[PART_PHASE[part]][k] for k in CONV_KINDS)
+        made[part] = {"kept": "matmul" if max(matmul) < min(conv2d) else "conv2d",
+                      "why": "timed", "phase": PART_PHASE[part], "conv2d_ms": conv2d,
+                      "matmul_ms": matmul}
+    return made
+
+
+#: The conv body's two ways to run its convolutions (``labkit.policy.CONV_MATHS``), the one
+#: kept unless the other is faster by more than the spread first.
+CONV_KINDS = ("conv2d", "matmul")
+
+
+def describe_conv_math(made: dict[str, dict]) -> str:
+    """"convolutions: rollout conv2d (policy 48.2 ms per iteration conv2d, 79.0 matmul;
+    medians of 5), update matmul (...)", or "convolutions: rollout matmul (conv_math=matmul),
+    update matmul (conv_math=matmul)"."""
+    return "convolutions: " + ", ".join(describe_choice(part, m, CONV_KINDS)
+                                        for part, m in made.items())
+
+
 def describe_choices(made: dict[str, dict]) -> str:
     """Every part's :func:`describe_choice`, joined by "; "."""
     return "; ".join(describe_choice(part, m) for part, m in made.items())
 
 
-def describe_choice(part: str, made: dict) -> str:
-    """"update eager (update 217.3 ms per iteration eager, 353.0 compiled; medians of 5)"."""
+def describe_choice(part: str, made: dict, kinds: tuple[str, str] = ("eager", "compiled")
+                    ) -> str:
+    """"update eager (update 217.3 ms per iteration eager, 353.0 compiled; medians of 5)"
+    (``kinds``: the two timed, as the record's ``<kind>_ms`` names them)."""
     if made["why"] != "timed":
         return f"{part} {made['kept']} ({made['why']})"
-    e, c = (statistics.median(made[k]) for k in ("eager_ms", "compiled_ms"))
-    return (f"{part} {made['kept']} ({made['phase']} {e:.1f} ms per iteration eager, {c:.1f} "
-            f"compiled; medians of {len(made['eager_ms'])})")
+    a, b = (statistics.median(made[f"{k}_ms"]) for k in kinds)
+    return (f"{part} {made['kept']} ({made['phase']} {a:.1f} ms per iteration {kinds[0]}, "
+            f"{b:.1f} {kinds[1]}; medians of {len(made[f'{kinds[0]}_ms'])})")
 
 
 @dataclass(frozen=True)

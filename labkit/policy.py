@@ -233,18 +233,20 @@ class ConvBody(nn.Sequential):
 
     @conv_math.setter
     def conv_math(self, value: str) -> None:
-        """Set it after ``.to(device)`` or before: "matmul" keeps one basis per convolution,
-        (C*H*W, C, H, W), as buffers that move with the module but are not saved (so a
-        state dict is the same either way); "conv2d" drops them."""
+        """Set it after ``.to(device)`` or before. The first "matmul" makes one basis per
+        convolution, (C*H*W, C, H, W), kept as buffers that move with the module but are not
+        saved (a state dict is the same either way); switching back and forth after that
+        makes nothing."""
         if value not in CONV_MATHS:
             raise ValueError(f"conv_math must be one of {', '.join(CONV_MATHS)}; got {value!r}")
         self._conv_math = value
-        for name, conv, side in (("_basis1", self[0], self.view),
-                                 ("_basis2", self[2], self.view - 2)):
-            cells = conv.in_channels * side * side
-            basis = torch.eye(cells, dtype=conv.weight.dtype, device=conv.weight.device)
-            self.register_buffer(name, basis.view(cells, conv.in_channels, side, side)
-                                 if value == "matmul" else None, persistent=False)
+        if value == "matmul" and not hasattr(self, "_basis1"):
+            for name, conv, side in (("_basis1", self[0], self.view),
+                                     ("_basis2", self[2], self.view - 2)):
+                cells = conv.in_channels * side * side
+                basis = torch.eye(cells, dtype=conv.weight.dtype, device=conv.weight.device)
+                self.register_buffer(name, basis.view(cells, conv.in_channels, side, side),
+                                     persistent=False)
 
     @staticmethod
     def dense(conv: nn.Conv2d, basis: torch.Tensor) -> torch.Tensor:

@@ -43,10 +43,20 @@ from .config import RunConfig, memory_shortfall
 from .device import has_bf16, resolve_device
 from .distributed import SINGLE, Group
 from .envs import ForageNumpy, ForagePyList, ForageTorch, ForageTorchLoop
-from .executors import Choice, Compiled, CompiledIfFaster, Eager, Executor, Graphed, choose
+from .executors import (
+    Choice,
+    Compiled,
+    CompiledIfFaster,
+    Eager,
+    Executor,
+    Graphed,
+    PART_PHASE,
+    choose,
+    choose_conv_math,
+)
 from .logging import AsyncLogger, SyncLogger
 from .metrics import DeviceEpisodeStats, EagerEpisodeStats
-from .policy import Agent, sample_action
+from .policy import Agent, ConvBody, sample_action
 from .ppo import Batch, PPOConfig, annealed_lr, gae
 from .precision import Precision, amp, fp32
 from .rollout import DeviceCollector, HostBatchedCollector, PerEnvCollector, Rollout
@@ -220,6 +230,8 @@ def _ladder() -> tuple[Stage, ...]:
 
 STAGES: tuple[Stage, ...] = _ladder()
 STAGE_NAMES = tuple(s.name for s in STAGES)
+#: The two parts of an iteration whose model math a stage may choose how to run.
+PARTS = tuple(PART_PHASE)
 
 #: The stage a run uses when none is named, by device type: the fastest on that device in its
 #: recorded ladder (``results/ladder_<device>_*.json``; a test holds this to those files), not
@@ -384,6 +396,21 @@ class Pipeline:
         if self.choices and cfg.compile != "auto":
             self.keep_choices({part: {"kept": cfg.compile, "why": f"compile={cfg.compile}"}
                                for part in self.choices})
+        #: The agent's conv body, if it has one, and how each part (rollout, update) runs its
+        #: convolutions and why: timed where the stage chooses its model math
+        #: (``choose_executors``), forced by ``cfg.conv_math``, else {} (conv2d).
+        body = getattr(self.agent, "body", None)
+        self.conv_body = body if isinstance(body, ConvBody) else None
+        self.conv_choices: dict[str, dict] = {}
+        if cfg.conv_math != "auto":
+            if self.conv_body is None and cfg.conv_math == "matmul":
+                raise ValueError(f"conv_math=matmul needs an agent with the conv body "
+                                 f"(labkit.policy.ConvBody); {type(self.agent).__name__} has "
+                                 "none")
+            if self.conv_body is not None:
+                self.keep_conv_math({part: {"kept": cfg.conv_math,
+                                            "why": f"conv_math={cfg.conv_math}"}
+                                     for part in PARTS})
         self.global_step = 0
         self.iteration_index = 0
         self._initial = self.state_dict()
@@ -392,6 +419,7 @@ class Pipeline:
 
     def collect(self) -> Rollout:
         """T env steps with the policy; each logs its mean reward (the logger's per-step load)."""
+        self._convs_for("rollout")
         with torch.no_grad():
             for _ in range(self.cfg.n_steps):
                 self._step()
@@ -418,6 +446,7 @@ class Pipeline:
         if self.ppo.anneal_lr:
             self.stage.optimizer.set_lr(self.optimizer, annealed_lr(
                 self.ppo.lr, self.iteration_index, self.cfg.lr_horizon))
+        self._convs_for("update")
         stats = self.ppo_update(batch)
         self.clock.lap("update")
         self.iteration_index += 1
@@ -439,10 +468,37 @@ class Pipeline:
         choose``: off the clock, the state restored) and keep the faster; what each part kept,
         why, and both timings. Run once the compiled code has compiled
         (``labkit.capture.warmup`` calls it)."""
+        if self.chooses_conv_math and not self.conv_choices:
+            self.keep_conv_math(choose_conv_math(self, self.conv_body, PARTS))
         undecided = {p: c for p, c in self.choices.items() if p not in self.executor_choices}
         if undecided:
             self.executor_choices.update(choose(self, undecided))
         return self.executor_choices
+
+    @property
+    def chooses_conv_math(self) -> bool:
+        """Whether the warmup times the conv body's conv2d against matmul: a stage that
+        chooses its model math, an agent with the conv body, ``cfg.conv_math`` "auto". It is
+        timed first, each part compiled or eager as it runs until its own choice."""
+        return bool(self.choices) and self.conv_body is not None and \
+            self.cfg.conv_math == "auto"
+
+    def keep_conv_math(self, made: dict[str, dict]) -> None:
+        """Run each part's convolutions as ``made[part]["kept"]`` says (timed, a resumed run's
+        saved choice, or a forced one): the rollout and the update set the conv body's
+        ``conv_math`` as they start (compiled code keeps one graph for each)."""
+        if self.conv_body is None:
+            raise ValueError(f"{type(self.agent).__name__} has no conv body to run as "
+                             f"{made!r:.100}")
+        if set(made) != set(PARTS):
+            raise ValueError(f"a choice of convolutions names {sorted(made)}, not the parts "
+                             f"{', '.join(PARTS)}")
+        self.conv_choices = dict(made)
+        self._convs_for("rollout")
+
+    def _convs_for(self, part: str) -> None:
+        if self.conv_choices:
+            self.conv_body.conv_math = self.conv_choices[part]["kept"]
 
     def keep_choices(self, made: dict[str, dict]) -> None:
         """Keep what ``made`` says each part keeps (a resumed run's saved choices: the same

@@ -19,7 +19,15 @@ from labkit.app.train import TrainConfig, start_line, train
 from labkit.capture import warmup
 from labkit.config import RunConfig
 from labkit.envs import ForageSpec
-from labkit.executors import CHOICE_ROUNDS, Choice, CompiledIfFaster, choose, describe_choice
+from labkit.executors import (
+    CHOICE_ROUNDS,
+    Choice,
+    CompiledIfFaster,
+    choose,
+    choose_conv_math,
+    describe_choice,
+    describe_conv_math,
+)
 from labkit.stages import Pipeline, get_stage
 
 SPEC = ForageSpec(episode_length=20)
@@ -136,7 +144,7 @@ def test_stage_7_compiles_where_it_pays_and_stage_5_always_compiles():
 
 
 def test_the_warmup_decides_and_undoes_what_it_ran():
-    cfg = RunConfig(n_envs=8, n_steps=8, spec=SPEC)
+    cfg = RunConfig(n_envs=8, n_steps=8, spec=SPEC, conv_math="conv2d")  # fresh's convolutions
     with Pipeline(_stage(), cfg, "cpu") as pipe, Pipeline(_stage(), cfg, "cpu") as fresh:
         assert set(pipe.choices) == {"rollout", "update"} and not pipe.executor_choices
         warmup(pipe)
@@ -281,3 +289,153 @@ def test_choosing_needs_the_phase_it_times():
     pipe.last = {"env": 1.0}
     with pytest.raises(RuntimeError, match="marked no 'update' phase"):
         choose(pipe, pipe.choices)
+
+
+# ---------------------------------------------------------------- the convolutions' math
+
+
+class _ScriptedConvs(_Scripted):
+    """A pipeline whose iteration reports scripted phase times for the way its conv body
+    (any object with ``conv_math``) runs its convolutions."""
+
+    def __init__(self, ms: dict[str, dict[str, list[float]]]) -> None:
+        super().__init__({})
+        self.body = type("Body", (), {"conv_math": "conv2d"})()
+        self.ms = {part: {k: itertools.cycle(v) for k, v in kinds.items()}
+                   for part, kinds in ms.items()}
+
+    def iteration(self) -> None:
+        math = self.body.conv_math
+        self.kinds.append(math)
+        phase = {"rollout": "policy", "update": "update"}
+        self.last = {phase[p]: next(self.ms[p][math]) for p in self.ms}
+        self.state += 1
+
+
+@pytest.mark.parametrize("conv2d, matmul, kept", [
+    ([20, 21, 22], [10, 11, 12], "matmul"),         # faster by more than the spread
+    ([20, 21, 22], [10, 25, 12], "conv2d"),         # the spreads overlap: conv2d stays
+    ([10, 11, 12], [20, 21, 22], "conv2d"),         # conv2d faster
+    ([20, 20, 20], [20, 20, 20], "conv2d"),         # a tie
+])
+def test_conv2d_is_kept_unless_matmul_is_faster_by_more_than_the_spread(conv2d, matmul, kept):
+    pipe = _ScriptedConvs({"rollout": {"conv2d": [5, 5], "matmul": [9, 9]},
+                           "update": {"conv2d": conv2d, "matmul": matmul}})
+    made = choose_conv_math(pipe, pipe.body, ("rollout", "update"))
+    # each part by its own phase: the rollout's matmul is slower whatever the update does
+    assert made["rollout"]["kept"] == "conv2d" and made["update"]["kept"] == kept
+    assert made["update"]["phase"] == "update" and made["rollout"]["phase"] == "policy"
+    assert len(made["update"]["conv2d_ms"]) == len(made["update"]["matmul_ms"]) == CHOICE_ROUNDS
+    # one untimed matmul iteration (its bases, its compile), then rounds of both, alternating
+    assert pipe.kinds[0] == "matmul"
+    rounds = [pipe.kinds[1 + 2 * r: 3 + 2 * r] for r in range(CHOICE_ROUNDS)]
+    assert all(sorted(r) == ["conv2d", "matmul"] for r in rounds) and rounds[0] != rounds[1]
+    assert pipe.state == 0 and pipe.restored == [0] * (1 + 2 * CHOICE_ROUNDS)
+    text = describe_conv_math(made)
+    assert text.startswith("convolutions: rollout conv2d (policy 5.0 ms per iteration conv2d, "
+                           "9.0 matmul; medians of 5), update ")
+
+
+def test_stage_7_times_its_convolutions_and_each_part_runs_what_it_kept(monkeypatch):
+    cfg = RunConfig(n_envs=8, n_steps=8, spec=SPEC, compile="eager")
+    kept = {"rollout": "conv2d", "update": "matmul"}
+    timed = []
+
+    def scripted(pipe, body, parts, rounds=CHOICE_ROUNDS):
+        timed.append(body)
+        return {part: {"kept": kept[part], "why": "timed", "phase": part,
+                       "conv2d_ms": [1.0], "matmul_ms": [1.0]} for part in parts}
+
+    monkeypatch.setattr("labkit.stages.choose_conv_math", scripted)
+    with Pipeline(_stage(), cfg, "cpu") as pipe:
+        assert pipe.chooses_conv_math and not pipe.conv_choices
+        warmup(pipe)  # the executors are forced: the warmup times the convolutions alone
+        assert timed == [pipe.agent.body]
+        assert {p: m["kept"] for p, m in pipe.conv_choices.items()} == kept
+        seen = []
+        real_step, real_update = pipe._step, pipe.ppo_update
+        pipe._step = lambda: (seen.append(("rollout", pipe.agent.body.conv_math)), real_step())
+        pipe.ppo_update = lambda b: (seen.append(("update", pipe.agent.body.conv_math)),
+                                     real_update(b))[1]
+        pipe.iteration()
+        assert set(seen) == {("rollout", "conv2d"), ("update", "matmul")}
+    # the real timing, on a real pipeline: both parts decided, timed, five rounds each
+    monkeypatch.undo()
+    with Pipeline(_stage(), cfg, "cpu") as pipe:
+        warmup(pipe)
+        assert set(pipe.conv_choices) == {"rollout", "update"}
+        assert all(m["why"] == "timed" and len(m["matmul_ms"]) == CHOICE_ROUNDS
+                   and m["kept"] in ("conv2d", "matmul") for m in pipe.conv_choices.values())
+
+
+@pytest.mark.parametrize("math", ["conv2d", "matmul"])
+def test_forced_convolutions_are_kept_without_timing_in_any_stage(math, monkeypatch):
+    monkeypatch.setattr("labkit.stages.choose_conv_math",
+                        lambda *a, **k: pytest.fail("timed"))
+    for stage in (_stage(), "async_logging"):
+        cfg = RunConfig(n_envs=8, n_steps=8, spec=SPEC, compile="eager", conv_math=math)
+        with Pipeline(stage, cfg, "cpu") as pipe:
+            warmup(pipe)
+            assert pipe.agent.body.conv_math == math
+            assert pipe.conv_choices == {p: {"kept": math, "why": f"conv_math={math}"}
+                                         for p in ("rollout", "update")}
+            assert describe_conv_math(pipe.conv_choices) == (
+                f"convolutions: rollout {math} (conv_math={math}), update {math} "
+                f"(conv_math={math})")
+
+
+def test_stages_that_do_not_choose_run_conv2d_and_bad_conv_math_is_refused():
+    with Pipeline("async_logging", RunConfig(n_envs=8, n_steps=8, spec=SPEC), "cpu") as pipe:
+        assert not pipe.chooses_conv_math and pipe.conv_choices == {}
+        assert pipe.agent.body.conv_math == "conv2d"
+    with pytest.raises(ValueError, match="conv_math must be one of auto, conv2d, matmul"):
+        RunConfig(conv_math="fft")
+    with pytest.raises(ValueError, match="conv_math=matmul needs the conv body"):
+        RunConfig(model="attention", conv_math="matmul")
+    with Pipeline(_stage(), RunConfig(n_envs=8, n_steps=8, spec=SPEC, model="attention"),
+                  "cpu") as pipe:  # no conv body: nothing to time
+        assert pipe.conv_body is None and not pipe.chooses_conv_math
+
+
+def test_a_resumed_run_keeps_its_convolutions_and_a_bad_record_is_refused(tmp_path,
+                                                                           monkeypatch):
+    made = {"rollout": {"kept": "conv2d", "why": "timed", "phase": "policy",
+                        "conv2d_ms": [1.0] * 5, "matmul_ms": [2.0] * 5},
+            "update": {"kept": "matmul", "why": "timed", "phase": "update",
+                       "conv2d_ms": [3.0] * 5, "matmul_ms": [2.0] * 5}}
+    built = []
+
+    def build(cfg, device, group):
+        built.append(Pipeline(_stage(), cfg.run, device, group=group))
+        return built[-1]
+
+    monkeypatch.setattr(train_module, "build_pipeline", build)
+    monkeypatch.setattr("labkit.stages.choose_conv_math", lambda *a, **k: made)
+    cfg = TrainConfig.flat(stage="fused_amp", device="cpu", n_envs=8, n_steps=16,
+                           total_steps=4 * 128, seed=3, checkpoint_every=2, spec=SPEC,
+                           compile="eager")
+    summary = train(cfg, tmp_path / "run", progress=False, stop_after=2)
+    assert summary["conv_choices"] == made
+    assert "convolutions: rollout conv2d (policy 1.0 ms per iteration conv2d, 2.0 matmul" in \
+        start_line(cfg, built[-1])
+    path = tmp_path / "run" / checkpoint.FILENAME
+    assert checkpoint.load(path)["conv_choices"] == made
+    monkeypatch.setattr("labkit.stages.choose_conv_math",
+                        lambda *a, **k: pytest.fail("timed again"))
+    summary = train(None, tmp_path / "run", resume=True, progress=False)
+    assert summary["complete"] and summary["conv_choices"] == made
+    assert built[-1].conv_choices == made
+    # a checkpoint written before the choice existed resumes conv2d, as it ran
+    payload = checkpoint.load(path)
+    payload.pop("format")
+    payload.pop("conv_choices")
+    checkpoint.save(path, payload)
+    (tmp_path / "run" / "summary.json").unlink()
+    train(None, tmp_path / "run", resume=True, progress=False)
+    assert {p: m["kept"] for p, m in built[-1].conv_choices.items()} == \
+        {"rollout": "conv2d", "update": "conv2d"}
+    for bad in ({"update": made["update"]}, {**made, "update": {"kept": "fft", "why": "x"}},
+                {**made, "update": {**made["update"], "matmul_ms": []}}, ["matmul"]):
+        checkpoint.save(path, {**payload, "conv_choices": bad})
+        with pytest.raises(checkpoint.CheckpointError, match="field 'conv_choices' must be"):
+            checkpoint.check(checkpoint.load(path), path)

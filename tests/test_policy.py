@@ -77,12 +77,12 @@ def test_conv_math_is_checked_and_switchable():
         Agent(body="attention", conv_math="matmul")
     obs = _obs(5)
     before = agent(obs)[0]
+    assert not list(agent.named_buffers())
     agent.body.conv_math = "matmul"  # its bases are buffers, not saved
     assert {n for n, _ in agent.named_buffers()} == {"body._basis1", "body._basis2"}
     assert "body._basis1" not in agent.state_dict()
     torch.testing.assert_close(agent(obs)[0], before, rtol=1e-5, atol=1e-7)
     agent.body.conv_math = "conv2d"
-    assert not list(agent.named_buffers())
     assert torch.equal(agent(obs)[0], before)
 
 

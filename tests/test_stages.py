@@ -338,6 +338,9 @@ def test_warmup_then_restore_computes_what_a_fresh_pipeline_computes(index, devi
         storage = [t.data_ptr() for t in p.agent.parameters()]
         assert warmup(p) > 0
         assert [t.data_ptr() for t in p.agent.parameters()] == storage
+        fresh.keep_choices(p.executor_choices)  # what stage 7's warmup chose, untimed
+        if p.conv_choices:
+            fresh.keep_conv_math(p.conv_choices)
         a, b = fresh.iteration(), p.iteration()
         assert {k: float(v) for k, v in a.items()} == {k: float(v) for k, v in b.items()}
         for x, y in zip(tree_tensors(fresh.state_dict()), tree_tensors(p.state_dict())):

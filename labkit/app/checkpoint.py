@@ -28,6 +28,7 @@ import torch
 from ..capture import tree_map
 from ..executors import KINDS, PART_PHASE
 from ..files import atomic_write
+from ..policy import CONV_MATHS
 from ..stages import PipelineState
 
 FORMAT = 3
@@ -117,6 +118,13 @@ def check(payload: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
                               f"{' or '.join(PART_PHASE)} to {{'kept': "
                               f"{' or '.join(map(repr, KINDS))}, 'why': str, ...}} (a timed "
                               f"choice with its phase and timings); got {choices!r:.200}")
+    convs = payload.get("conv_choices", {})  # absent before the convolutions' choice existed
+    if not isinstance(convs, dict) or (convs and set(convs) != set(PART_PHASE)) or not all(
+            _choice_ok(made, CONV_MATHS) for made in convs.values()):
+        raise CheckpointError(f"{path}: field 'conv_choices' must be empty or map "
+                              f"{' and '.join(PART_PHASE)} to {{'kept': "
+                              f"{' or '.join(map(repr, CONV_MATHS))}, 'why': str, ...}} (a "
+                              f"timed choice with its phase and timings); got {convs!r:.200}")
     precision = state.get("precision", {})  # absent before precision state was kept
     if not isinstance(precision, dict) or (precision and not _scaler_ok(precision)):
         raise CheckpointError(f"{path}: field 'state.precision' must be empty (fp32, bf16) or "
@@ -140,17 +148,21 @@ def _scaler_ok(state: dict) -> bool:
         and tracker.numel() == 1 and bool((tracker >= 0).all())
 
 
-def _choice_ok(made: Any) -> bool:
-    """A saved compile choice: what it kept, why, and for a timed one its phase and timings."""
-    if not (isinstance(made, dict) and made.get("kept") in KINDS
+def _choice_ok(made: Any, kinds: tuple[str, ...] = KINDS) -> bool:
+    """A saved choice between ``kinds`` (compiled or eager; a part's convolutions, conv2d or
+    matmul): what it kept, why, and for a timed one its phase and each kind's timings."""
+    if not (isinstance(made, dict) and made.get("kept") in kinds
             and isinstance(made.get("why"), str)):
         return False
     if made["why"] != "timed":
         return True
-    timings = [made.get("eager_ms"), made.get("compiled_ms")]
-    return made.get("phase") in PART_PHASE.values() and all(
-        isinstance(t, list) and t and all(isinstance(x, (int, float)) and math.isfinite(x)
-                                          for x in t) for t in timings)
+    return made.get("phase") in PART_PHASE.values() and _timings_ok(
+        [made.get(f"{kind}_ms") for kind in kinds])
+
+
+def _timings_ok(timings: list) -> bool:
+    return all(isinstance(t, list) and t and all(
+        isinstance(x, (int, float)) and math.isfinite(x) for x in t) for t in timings)
 
 
 def _first_non_finite(obj: Any, prefix: str) -> str | None:

@@ -32,15 +32,16 @@ from .flags import (
 def _planted(args: argparse.Namespace) -> tuple:
     """The doctor's and the rehearsal's stage (with --plant's regression) and run config."""
     from ..config import RunConfig
-    from ..doctor.checkup import DOCTOR_COMPILE
+    from ..doctor.checkup import DOCTOR_COMPILE, DOCTOR_CONV_MATH
     from ..doctor.plants import plant
 
     chosen = plant(args.stage, args.plant) if args.plant else args.stage
-    return chosen, RunConfig(n_envs=args.n_envs, n_steps=args.n_steps, compile=DOCTOR_COMPILE)
+    return chosen, RunConfig(n_envs=args.n_envs, n_steps=args.n_steps, compile=DOCTOR_COMPILE,
+                             conv_math=DOCTOR_CONV_MATH)
 
 
 TRAIN_OPTIONS = ("stage", "device", "n_envs", "n_steps", "total_steps", "seed", "value_head",
-                 "model", "compile", "checkpoint_every")
+                 "model", "compile", "conv_math", "checkpoint_every")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -74,6 +75,8 @@ def cmd_train(args: argparse.Namespace) -> int:
               + (f"{s['precision']}, " if s.get("precision") else "")
               + "".join(f"{part} {made['kept']}, " for part, made
                         in (s.get("executor_choices") or {}).items())
+              + "".join(f"{part} convolutions {made['kept']}, " for part, made
+                        in (s.get("conv_choices") or {}).items())
               + f"{s['threads']} CPU thread(s)) in {s['wall_s']:.0f} s: "
               f"final mean return {_num(s['final_mean_return'], '.2f')}, "
               f"{_num(s['steps_per_s'], ',.0f')} steps/s this session"
@@ -147,7 +150,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_train(sub) -> None:
-    from ..config import COMPILE_CHOICES, RunConfig
+    from ..config import COMPILE_CHOICES, CONV_MATH_CHOICES, RunConfig
     from ..policy import BODIES, VALUE_HEADS
     from .train import TrainConfig
 
@@ -162,6 +165,7 @@ def _add_train(sub) -> None:
     field_flag(p, RunConfig, "value_head", str, choices=VALUE_HEADS)
     field_flag(p, RunConfig, "model", str, choices=BODIES)
     field_flag(p, RunConfig, "compile", str, choices=COMPILE_CHOICES)
+    field_flag(p, RunConfig, "conv_math", str, choices=CONV_MATH_CHOICES)
     field_flag(p, TrainConfig, "checkpoint_every", non_negative_int)
     p.add_argument("--out", type=path, default=None,
                    help="run folder (default: a new runs/train-<date>-<time>)")

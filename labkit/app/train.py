@@ -30,11 +30,11 @@ from .. import debug
 from ..capture import warmup
 from ..device import parse_device, resolve_device
 from ..distributed import SINGLE, Group, current, join, leave, parameter_checksum
-from ..executors import describe_choices
+from ..executors import describe_choices, describe_conv_math
 from ..files import FolderLock, describe_os_error
 from ..logging import AsyncLogger, SyncLogger, TensorBoardSink, quiet_thread_os_errors
 from ..signals import raise_if_stopped, signals_deferred, signum_of, stop_signals
-from ..stages import Pipeline, PipelineState
+from ..stages import PARTS, Pipeline, PipelineState
 from ..validate import check_int
 from . import checkpoint
 from .run import (
@@ -284,6 +284,7 @@ class _Session:
             payload = {"config": self.cfg.to_dict(), "device": str(self.device),
                        "threads": torch.get_num_threads(),
                        "executor_choices": self.pipe.executor_choices,
+                       "conv_choices": self.pipe.conv_choices,
                        "wall_s": self.state_wall, "state": self.state.to_dict()}
             if self.group.world > 1:
                 payload["ranks"] = parts
@@ -345,6 +346,7 @@ class _Session:
             "precision": self.pipe.precision.describe(),
             "model_math": self.pipe.model_math(),
             "executor_choices": self.pipe.executor_choices,
+            "conv_choices": self.pipe.conv_choices,
             "threads": torch.get_num_threads(),
             "complete": end == self.cfg.n_iterations, "iterations": end, "steps": end * spi,
             "world_size": self.group.world,
@@ -377,8 +379,10 @@ def _choose_executors(pipe: Pipeline, saved: dict | None, group: Group,
                       ckpt_path: Path) -> None:
     """Settle what a stage that compiles only where it pays keeps: a resumed run keeps what
     its checkpoint says (the same kernels, the same numbers); otherwise a warmup times eager
-    against compiled (off the clock, undone; a forced ``compile`` needs none). Under torchrun
-    every rank keeps rank 0's choice. A checkpoint from before runs chose ran compiled."""
+    against compiled, and where the stage chooses them the convolutions' conv2d against
+    matmul (off the clock, undone; a forced ``compile`` or ``conv_math`` needs none). Under
+    torchrun every rank keeps rank 0's choices. A checkpoint from before runs chose ran
+    compiled, and its convolutions conv2d."""
     if saved is not None:
         made = saved.get("executor_choices", {part: {"kept": "compiled",
                                                      "why": "as the run began"}
@@ -388,18 +392,31 @@ def _choose_executors(pipe: Pipeline, saved: dict | None, group: Group,
                 f"{ckpt_path}: field 'executor_choices' names {sorted(made)}, but stage "
                 f"{pipe.stage.name} chooses for {sorted(pipe.choices)}")
         pipe.keep_choices(made)
-    elif set(pipe.choices) - set(pipe.executor_choices):
+        convs = saved.get("conv_choices") or (
+            {part: {"kept": "conv2d", "why": "as the run began"} for part in PARTS}
+            if pipe.chooses_conv_math else {})
+        if convs:
+            if pipe.conv_body is None:
+                raise checkpoint.CheckpointError(
+                    f"{ckpt_path}: field 'conv_choices' names how convolutions run, but the "
+                    f"agent of stage {pipe.stage.name} has no conv body")
+            pipe.keep_conv_math(convs)
+    elif set(pipe.choices) - set(pipe.executor_choices) or (
+            pipe.chooses_conv_math and not pipe.conv_choices):
         warmup(pipe)
     if group.world > 1 and pipe.choices:
         pipe.keep_choices(group.broadcast(pipe.executor_choices))
+    if group.world > 1 and pipe.conv_choices:
+        pipe.keep_conv_math(group.broadcast(pipe.conv_choices))
 
 
 def start_line(cfg: TrainConfig, pipe: Pipeline) -> str:
     """What a run prints as it starts: the stage, device, precision and, where the stage
     chooses, what runs its model math and why."""
     line = f"train: {cfg.stage} on {pipe.device}, {pipe.precision.describe()}"
-    return line + (f"; {describe_choices(pipe.executor_choices)}"
-                   if pipe.executor_choices else "")
+    return line + "".join(f"; {text}" for text in (
+        describe_conv_math(pipe.conv_choices) if pipe.conv_choices else "",
+        describe_choices(pipe.executor_choices) if pipe.executor_choices else "") if text)
 
 
 def _show(bar: Any, record: dict, steps: int) -> None:

@@ -74,25 +74,31 @@ from .report import KINDS, Finding, Report
 
 #: The sizes the doctor runs at unless given a RunConfig: small, it only counts.
 DOCTOR_RUN = dict(n_envs=16, n_steps=16)
-#: How the doctor's own configs run a stage that compiles where it pays: compiled, so that
-#: what it counts does not depend on a timing taken at warmup.
+#: How the doctor's own configs run a stage that compiles where it pays: compiled, with its
+#: convolutions as conv2d, so that what it counts does not depend on a timing taken at warmup.
 DOCTOR_COMPILE = "compiled"
+DOCTOR_CONV_MATH = "conv2d"
 
 
 _BASELINES: dict[tuple, tuple[dict, dict]] = {}
 
 
 def _baseline_ops(twin: Stage, cfg: RunConfig, device: torch.device,
-                  choices: dict[str, dict]) -> tuple[dict, dict]:
+                  choices: dict[str, dict], convs: dict[str, dict]) -> tuple[dict, dict]:
     """The watched counts of one rollout and one learn of the clean stage ``twin`` at the same
-    sizes, its model math eager or compiled as ``choices`` (the diagnosed pipeline's) say
-    (cached per process)."""
+    sizes, its model math eager or compiled as ``choices`` and its convolutions as ``convs``
+    (the diagnosed pipeline's) say (cached per process)."""
     kept = {part: made["kept"] for part, made in choices.items()}
-    key = (twin.name, str(device), repr(cfg.to_dict()), repr(sorted(kept.items())))
+    conv_kept = {part: made["kept"] for part, made in convs.items()}
+    key = (twin.name, str(device), repr(cfg.to_dict()), repr(sorted(kept.items())),
+           repr(sorted(conv_kept.items())))
     if key not in _BASELINES:
         with Pipeline(twin, cfg, device) as clean:
             clean.keep_choices({part: {"kept": kind, "why": "the diagnosed pipeline's"}
                                 for part, kind in kept.items() if part in clean.choices})
+            if conv_kept and clean.conv_body is not None:
+                clean.keep_conv_math({part: {"kept": math, "why": "the diagnosed pipeline's"}
+                                      for part, math in conv_kept.items()})
             warmup(clean)
             _BASELINES[key] = watched(clean)
     return _BASELINES[key]
@@ -114,7 +120,8 @@ def diagnose(target: Pipeline | Stage | int | str, iterations: int = 5,
         stage, cfg, device = target.stage, target.cfg, target.device
     else:
         stage, device = get_stage(target), resolve_device(device)
-        cfg = cfg if cfg is not None else RunConfig(**DOCTOR_RUN, compile=DOCTOR_COMPILE)
+        cfg = cfg if cfg is not None else RunConfig(**DOCTOR_RUN, compile=DOCTOR_COMPILE,
+                                                    conv_math=DOCTOR_CONV_MATH)
     report = Report(stage.name, str(device), cfg.n_envs, cfg.n_steps, iterations)
     if not isinstance(target, Pipeline):
         try:
@@ -226,7 +233,8 @@ def _judge(pipe: Pipeline, m: Measurements, report: Report, iterations: int,
     twin = without_graphs(STAGES[pipe.stage.index])  # the clean stage, judged the same way
     if baseline:
         base = m.watch if pipe.stage == twin else _baseline_ops(twin, cfg, device,
-                                                                pipe.executor_choices)
+                                                                pipe.executor_choices,
+                                                                pipe.conv_choices)
         findings += excess_findings(m.watch, base, cfg, parts, phase_ms, it_ms)
         findings += launch_findings(m.watch, base, parts,
                                     optimizer_kind(pipe.optimizer, device))

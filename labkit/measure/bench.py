@@ -32,7 +32,7 @@ import torch
 from ..capture import warmup
 from ..config import BenchConfig, RunConfig, available_memory, memory_estimate
 from ..device import run_metadata, synchronize
-from ..executors import describe_choices
+from ..executors import describe_choices, describe_conv_math
 from ..policy import flops_per_sample
 from ..ppo import Batch
 from ..signals import raise_if_stopped, signum_of
@@ -224,6 +224,8 @@ def _build(stage: Stage, run: RunConfig, device: torch.device, row: dict) -> Pip
         if pipe.executor_choices:  # what a stage that compiles where it pays kept, and why
             row["executor_choices"] = pipe.executor_choices
             row["choose_s"] = time.perf_counter() - start - row["warmup_s"]
+        if pipe.conv_choices:  # how each part runs its convolutions, and why
+            row["conv_math"] = pipe.conv_choices
         mem, row["mem_kind"] = _peak_memory(device)
         row["peak_mem_mb"] = mem - base / 2**20
         return pipe
@@ -487,8 +489,11 @@ def ladder_notes(result: dict) -> str:
     lines += [f"precision {name}: {why}" for name, why in sorted(chosen)]
     if any(r.get("model_math") for r in result["ladder"]):
         lines.append("math: the model math of the rollout/update, e eager, c compiled, g "
-                     "replayed in a CUDA graph; * kept by timing both at warmup")
-    lines += [f"model math, {r['stage']} {r['name']}: {describe_choices(r['executor_choices'])}"
+                     "replayed in a CUDA graph; * kept by timing both at warmup; +mm the "
+                     "convolutions as matmuls")
+    lines += [f"model math, {r['stage']} {r['name']}: "
+              + "; ".join(([describe_conv_math(r["conv_math"])] if r.get("conv_math") else [])
+                          + [describe_choices(r["executor_choices"])])
               for r in result["ladder"] if r.get("executor_choices")]
     if result.get("interrupted"):
         lines.append(f"PARTIAL: interrupted by {result['interrupted']}; what is not listed did "

@@ -20,7 +20,7 @@ from ..capture import warmup
 from ..config import RunConfig
 from ..device import run_metadata
 from ..envs import ForageNumpy, ForageTorch
-from ..executors import describe_choices
+from ..executors import describe_choices, describe_conv_math
 from ..policy import HIDDEN, N_ACTIONS, layer_init
 from ..stages import Pipeline, get_stage
 from . import tables
@@ -136,7 +136,7 @@ def bench_sb3(cfg: RunConfig, stage: str | int, iterations: int = 3, rounds: int
                     pipe.iteration()
                 times["labkit"].append(time.perf_counter() - start)
             name, precision = pipe.stage.name, pipe.precision.describe()
-            math, made = pipe.model_math(), pipe.executor_choices
+            math, made, conv = pipe.model_math(), pipe.executor_choices, pipe.conv_choices
     finally:
         used = torch.get_num_threads()
         torch.set_num_threads(saved)
@@ -145,7 +145,8 @@ def bench_sb3(cfg: RunConfig, stage: str | int, iterations: int = 3, rounds: int
     rows[1]["x_sb3"] = rows[1]["sps"] / rows[0]["sps"]
     rows[0]["x_sb3"] = 1.0
     return {"meta": run_metadata(torch.device("cpu")), "stage": name, "precision": precision,
-            "model_math": math, "executor_choices": made, "env": env_class.__name__,
+            "model_math": math, "executor_choices": made, "conv_math": conv,
+            "env": env_class.__name__,
             "threads": used, "iterations": iterations, "rounds": rounds,
             "run": cfg.to_dict(), "rows": rows}
 
@@ -167,7 +168,9 @@ def format_table(result: dict) -> str:
         f"{result['meta']['device_name']} (cpu), {result['threads']} thread(s), torch "
         f"{result['meta']['torch']}; {result['rounds']} interleaved rounds of "
         f"{result['iterations']} iterations each",
-        *([f"labkit's model math: {describe_choices(result['executor_choices'])}"]
+        *([f"labkit's model math: " + "; ".join(
+            ([describe_conv_math(result["conv_math"])] if result.get("conv_math") else [])
+            + [describe_choices(result["executor_choices"])])]
           if result.get("executor_choices") else []),
         f"same work: {result['env']} x {run['n_envs']} envs, seed {run['seed']}, "
         f"T={run['n_steps']}; "

@@ -116,13 +116,17 @@ _MATH = {"eager": "e", "compiled": "c", "graphed eager": "ge", "graphed compiled
 
 def _math(r: dict) -> str:
     """``e/c``: the rollout's model math eager, the update's compiled (``*``: chosen by timing
-    at warmup); "" for a row recorded before the column existed."""
+    at warmup), ``+mm`` a part whose convolutions run as matmuls; "" for a row recorded
+    before the column existed."""
     math = r.get("model_math")
     if not math:
         return ""
     chosen = "*" if any(m.get("why") == "timed"
                         for m in (r.get("executor_choices") or {}).values()) else ""
-    return "/".join(_MATH.get(math[p], math[p]) for p in ("rollout", "update")) + chosen
+    conv = r.get("conv_math") or {}
+    return "/".join(_MATH.get(math[p], math[p]) + ("+mm" if conv.get(p, {}).get("kept")
+                                                     == "matmul" else "")
+                    for p in ("rollout", "update")) + chosen
 
 
 def _noise(r: dict) -> str:
@@ -154,7 +158,7 @@ LADDER = Table((
     Column("% ceil", "% of ceiling", _pct("frac_of_ceiling"), 6),
     Column("% peak", "% of peak", _pct("frac_of_peak", ".2f"), 6),
     Column("precision", "precision", lambda r: r["precision"], 9, left=True),
-    Column("math", "model math (rollout/update)", lambda r: _math(r), 7, left=True),
+    Column("math", "model math (rollout/update)", lambda r: _math(r), 10, left=True),
     _NOISE,
 ), keys=3)
 
