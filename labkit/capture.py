@@ -89,8 +89,9 @@ def warmup(pipeline) -> float:
     """Run one iteration of ``pipeline`` off the clock, then restore the state from before it;
     return its seconds (synchronized). Compilation, graph capture and cuDNN autotuning happen
     here, and the timed iterations compute what an un-warmed run would. Then a stage that
-    compiles only where it pays times eager against compiled (``pipeline.choose_executors``,
-    also off the clock and undone)."""
+    compiles only where it pays times eager against compiled, and its convolutions' two ways
+    (``pipeline.choose_executors``, also off the clock and undone); what it keeps may compute
+    within float rounding of the un-warmed run, not bit for bit."""
     saved = pipeline.state_dict()
     elapsed, _ = timed(pipeline.iteration, pipeline.device)
     pipeline.load_state_dict(saved)

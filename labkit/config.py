@@ -57,9 +57,11 @@ class RunConfig:
     0-4 never do."""
     conv_math: str = "auto"
     """How the conv body runs its convolutions (``labkit.policy.ConvBody``): auto (the stages
-    that choose their model math by timing, fused_amp, also time conv2d against matmul at
-    warmup and keep conv2d unless matmul is faster by more than the spread; every other stage
-    runs conv2d), conv2d or matmul (forced, in any stage: a reproducible choice)."""
+    whose executors choose by timing, fused_amp, also time conv2d against matmul at warmup,
+    for the rollout and the update apart, even with ``compile`` forced, and keep conv2d unless
+    matmul is faster by more than the spread; every other stage, and a view too large for the
+    dense matrices, runs conv2d), conv2d or matmul (forced, in any stage: a reproducible
+    choice)."""
     spec: ForageSpec = field(default_factory=ForageSpec)
     """The environment."""
     ppo: PPOConfig = field(default_factory=PPOConfig)

@@ -208,8 +208,9 @@ def choose_conv_math(pipeline: Any, body: Any, parts: Any, rounds: int = CHOICE_
     compile of its variant where the model math is compiled), and keep for each of ``parts``
     conv2d unless matmul's slowest iteration beat conv2d's fastest in the part's phase
     (``PART_PHASE``). Returns per part what was kept, why, and the milliseconds per iteration
-    of each; the pipeline runs each part's convolutions as kept (``Pipeline.keep_conv_math``).
-    """
+    of each, and leaves ``body`` as last timed: the caller keeps the choice
+    (``Pipeline.keep_conv_math``), and must not have kept one before (a pipeline that runs
+    each part's kept convolutions would time those instead)."""
     def keep(math: str) -> None:
         body.conv_math = math
 

@@ -213,9 +213,19 @@ class ConvBody(nn.Sequential):
       convolutions' multiply-adds, the extra ones by zeros, but as one wide matmul: where the
       narrow channel counts (3, 16, 32) leave a conv kernel's matmul units idle, as with
       oneDNN's bf16 convolutions on a CPU with AMX, it can still be faster. Which is faster is
-      measured, never assumed: ``python -m labkit bench-update`` times both. The ladder's
-      stages run "conv2d".
+      measured, never assumed: ``python -m labkit bench-update`` times both, and stage 7
+      times both at warmup (``labkit.executors.choose_conv_math``); every other stage runs
+      "conv2d" unless a run forces "matmul" (``RunConfig.conv_math``). The dense matrices grow
+      as the view's fourth power: :attr:`matmul_fits` says whether they are small enough for
+      a stage to consider them.
+
+    On CUDA, cuDNN runs float32 convolutions as TF32 by default where the GPU has it, and the
+    matmuls stay full float32 (``labkit.device``), so there the two differ by TF32's rounding.
     """
+
+    #: The most elements the bases and dense matrices of :attr:`conv_math` "matmul" may hold
+    #: for a stage to time it (4M, 16 MB in float32: views up to 9; view 7's hold 356k).
+    MATMUL_MAX_ELEMENTS = 4 * 2**20
 
     def __init__(self, view: int = 7, conv_math: str = "conv2d") -> None:
         super().__init__(
@@ -226,6 +236,17 @@ class ConvBody(nn.Sequential):
         )
         self.view = check_view(view)
         self.conv_math = conv_math
+
+    def __getitem__(self, idx):  # a slice is a plain Sequential of those layers
+        return nn.Sequential(*list(self._modules.values())[idx]) if isinstance(idx, slice) \
+            else super().__getitem__(idx)
+
+    @property
+    def matmul_fits(self) -> bool:
+        """Whether the dense matrices of "matmul" hold at most :attr:`MATMUL_MAX_ELEMENTS`."""
+        cells = [(conv.in_channels * side**2, conv.out_channels * (side - 2) ** 2)
+                 for conv, side in ((self[0], self.view), (self[2], self.view - 2))]
+        return sum(i * i + i * o for i, o in cells) <= self.MATMUL_MAX_ELEMENTS
 
     @property
     def conv_math(self) -> str:

@@ -340,7 +340,7 @@ class Pipeline:
     (see labkit.distributed). Building one touches no process-global state: the model is
     initialized from ``cfg.seed`` under a forked RNG, and nothing resets torch.compile's caches
     (compiled code is shared by pipelines of the same shapes: it guards on tensor properties,
-    not on which module holds them). ``close()`` releases the logger, the rollout buffers and
+    not on which module holds them, and on the conv body's ``conv_math``). ``close()`` releases the logger, the rollout buffers and
     any captured graph at once, without waiting for the garbage collector.
     ``assume``: requirements taken as met (see :meth:`Stage.skip_reason`).
     """
@@ -478,10 +478,13 @@ class Pipeline:
     @property
     def chooses_conv_math(self) -> bool:
         """Whether the warmup times the conv body's conv2d against matmul: a stage that
-        chooses its model math, an agent with the conv body, ``cfg.conv_math`` "auto". It is
-        timed first, each part compiled or eager as it runs until its own choice."""
+        chooses its model math (even with ``cfg.compile`` forced), an agent with the conv body
+        whose dense matrices fit (``ConvBody.matmul_fits``), ``cfg.conv_math`` "auto". The two
+        choices are made one after the other, not together: the convolutions first, each part
+        compiled (or as ``cfg.compile`` forces), then eager against compiled with the
+        convolutions kept."""
         return bool(self.choices) and self.conv_body is not None and \
-            self.cfg.conv_math == "auto"
+            self.conv_body.matmul_fits and self.cfg.conv_math == "auto"
 
     def keep_conv_math(self, made: dict[str, dict]) -> None:
         """Run each part's convolutions as ``made[part]["kept"]`` says (timed, a resumed run's

@@ -395,6 +395,9 @@ def test_stages_that_do_not_choose_run_conv2d_and_bad_conv_math_is_refused():
     with Pipeline(_stage(), RunConfig(n_envs=8, n_steps=8, spec=SPEC, model="attention"),
                   "cpu") as pipe:  # no conv body: nothing to time
         assert pipe.conv_body is None and not pipe.chooses_conv_math
+    big = dataclasses.replace(SPEC, view=11)
+    with Pipeline(_stage(), RunConfig(n_envs=8, n_steps=8, spec=big), "cpu") as pipe:
+        assert not pipe.chooses_conv_math  # its dense matrices would not fit
 
 
 def test_a_resumed_run_keeps_its_convolutions_and_a_bad_record_is_refused(tmp_path,
@@ -435,7 +438,8 @@ def test_a_resumed_run_keeps_its_convolutions_and_a_bad_record_is_refused(tmp_pa
     assert {p: m["kept"] for p, m in built[-1].conv_choices.items()} == \
         {"rollout": "conv2d", "update": "conv2d"}
     for bad in ({"update": made["update"]}, {**made, "update": {"kept": "fft", "why": "x"}},
-                {**made, "update": {**made["update"], "matmul_ms": []}}, ["matmul"]):
+                {**made, "update": {**made["update"], "matmul_ms": []}}, ["matmul"],
+                {**made, "rollout": {**made["rollout"], "phase": "update"}}):
         checkpoint.save(path, {**payload, "conv_choices": bad})
         with pytest.raises(checkpoint.CheckpointError, match="field 'conv_choices' must be"):
             checkpoint.check(checkpoint.load(path), path)

@@ -51,9 +51,10 @@ def test_matmul_convolutions_compute_what_conv2d_does(device, view):
                                                   mm.state_dict().values()))
     obs = _obs(37, view).to(device)
     outs = []
-    for agent in (ref, mm):
-        logits, value = agent(obs)
-        (logits.square().sum() + value.sum()).backward()
+    for agent in (ref, mm):  # cuDNN's fp32 convolutions as fp32, not TF32 (labkit.device)
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            logits, value = agent(obs)
+            (logits.square().sum() + value.sum()).backward()
         outs.append((logits, value, [p.grad for p in agent.parameters()]))
     (l1, v1, g1), (l2, v2, g2) = outs
     torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-6)
@@ -65,6 +66,15 @@ def test_matmul_convolutions_compute_what_conv2d_does(device, view):
     assert l2.dtype == l1.dtype == torch.bfloat16
     for a, b in ((l1, l2), (v1, v2)):
         assert (a.float() - b.float()).abs().max() <= 2e-2 * a.float().abs().max()
+
+
+def test_the_dense_matrices_are_considered_only_where_they_fit_and_slices_work():
+    from labkit.policy import ConvBody
+
+    assert [ConvBody(v).matmul_fits for v in (5, 7, 9, 11, 15)] == [True] * 3 + [False] * 2
+    head = Agent().body[:2]  # a plain Sequential of the first conv and its ReLU
+    assert type(head) is torch.nn.Sequential and len(head) == 2
+    assert head(_obs(2)).shape == (2, 16, 5, 5)
 
 
 def test_conv_math_is_checked_and_switchable():

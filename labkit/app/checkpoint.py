@@ -113,14 +113,14 @@ def check(payload: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path}: field 'wall_s' must be a finite number")
     choices = payload.get("executor_choices", {})  # absent before compile choices existed
     if not isinstance(choices, dict) or not all(
-            part in PART_PHASE and _choice_ok(made) for part, made in choices.items()):
+            part in PART_PHASE and _choice_ok(made, part) for part, made in choices.items()):
         raise CheckpointError(f"{path}: field 'executor_choices' must map "
                               f"{' or '.join(PART_PHASE)} to {{'kept': "
                               f"{' or '.join(map(repr, KINDS))}, 'why': str, ...}} (a timed "
                               f"choice with its phase and timings); got {choices!r:.200}")
     convs = payload.get("conv_choices", {})  # absent before the convolutions' choice existed
     if not isinstance(convs, dict) or (convs and set(convs) != set(PART_PHASE)) or not all(
-            _choice_ok(made, CONV_MATHS) for made in convs.values()):
+            _choice_ok(made, part, CONV_MATHS) for part, made in convs.items()):
         raise CheckpointError(f"{path}: field 'conv_choices' must be empty or map "
                               f"{' and '.join(PART_PHASE)} to {{'kept': "
                               f"{' or '.join(map(repr, CONV_MATHS))}, 'why': str, ...}} (a "
@@ -148,15 +148,16 @@ def _scaler_ok(state: dict) -> bool:
         and tracker.numel() == 1 and bool((tracker >= 0).all())
 
 
-def _choice_ok(made: Any, kinds: tuple[str, ...] = KINDS) -> bool:
-    """A saved choice between ``kinds`` (compiled or eager; a part's convolutions, conv2d or
-    matmul): what it kept, why, and for a timed one its phase and each kind's timings."""
+def _choice_ok(made: Any, part: str, kinds: tuple[str, ...] = KINDS) -> bool:
+    """A saved choice for ``part`` between ``kinds`` (compiled or eager; its convolutions,
+    conv2d or matmul): what it kept, why, and for a timed one its phase (the part's) and each
+    kind's timings."""
     if not (isinstance(made, dict) and made.get("kept") in kinds
             and isinstance(made.get("why"), str)):
         return False
     if made["why"] != "timed":
         return True
-    return made.get("phase") in PART_PHASE.values() and _timings_ok(
+    return made.get("phase") == PART_PHASE[part] and _timings_ok(
         [made.get(f"{kind}_ms") for kind in kinds])
 
 

@@ -121,9 +121,9 @@ def _math(r: dict) -> str:
     math = r.get("model_math")
     if not math:
         return ""
-    chosen = "*" if any(m.get("why") == "timed"
-                        for m in (r.get("executor_choices") or {}).values()) else ""
     conv = r.get("conv_math") or {}
+    chosen = "*" if any(m.get("why") == "timed" for m in [
+        *(r.get("executor_choices") or {}).values(), *conv.values()]) else ""
     return "/".join(_MATH.get(math[p], math[p]) + ("+mm" if conv.get(p, {}).get("kept")
                                                      == "matmul" else "")
                     for p in ("rollout", "update")) + chosen
@@ -158,7 +158,7 @@ LADDER = Table((
     Column("% ceil", "% of ceiling", _pct("frac_of_ceiling"), 6),
     Column("% peak", "% of peak", _pct("frac_of_peak", ".2f"), 6),
     Column("precision", "precision", lambda r: r["precision"], 9, left=True),
-    Column("math", "model math (rollout/update)", lambda r: _math(r), 10, left=True),
+    Column("math", "model math (rollout/update)", lambda r: _math(r), 12, left=True),
     _NOISE,
 ), keys=3)
 
