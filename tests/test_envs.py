@@ -256,10 +256,12 @@ def test_step_ops() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("device, options", [
+    ("cpu", None), ("cpu", {"cpp.simdlen": 0}),  # bench-env's "+compile scalar" on the CPU
+    pytest.param("cuda", None, marks=needs_cuda)], ids=["cpu", "cpu-scalar", "cuda"])
 @pytest.mark.parametrize("spec", [ForageSpec(episode_length=6), ForageSpec(episode_length=20)],
                          ids=["two-draws-a-step", "one-draw-a-step"])
-def test_compiled_step_parity(spec: ForageSpec, device: str) -> None:
+def test_compiled_step_parity(spec: ForageSpec, device: str, options: dict | None) -> None:
     """torch.compile(ForageTorch.step): one graph, no recompiles across steps and episode
     ends (envs at different steps), outputs bit-exact with the eager step."""
     n_envs = 16
@@ -267,7 +269,7 @@ def test_compiled_step_parity(spec: ForageSpec, device: str) -> None:
     eager = from_state(ForageTorch, spec, state, final_obs=True, device=device)
     compiled_env = from_state(ForageTorch, spec, state, final_obs=True, device=device)
     torch._dynamo.reset()
-    step = torch.compile(compiled_env.step, fullgraph=True)
+    step = torch.compile(compiled_env.step, fullgraph=True, options=options)
     gen = torch.Generator(device).manual_seed(3)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for t in range(2 * spec.episode_length + 1):
@@ -376,6 +378,20 @@ def test_bench_envs_small() -> None:
     assert result["fastest"][16]["impl"] in ("ForageNumpy", "ForageTorch")
     text = format_table(result)
     assert "ForageTorchLoop" in text and "N=16: fastest" in text and result["meta"]["torch"]
+
+
+@pytest.mark.slow
+def test_bench_envs_compiled_rows_on_the_cpu() -> None:
+    """``compiled``: the step compiled (and a loop of K steps as one graph), and on the CPU
+    the step compiled to scalar C++ too, each with its first call's seconds."""
+    spec = ForageSpec(episode_length=8)
+    torch._dynamo.reset()
+    result = bench_envs("cpu", repeats=1, n_envs=(8,), spec=spec, loop_envs=2, warmup=4,
+                        compiled=True, compile_loop=4)
+    compiled = [r for r in result["rows"] if "+compile" in r["impl"]]
+    assert [r["impl"] for r in compiled] == ["ForageTorch+compile", "ForageTorch+compile x4",
+                                            "ForageTorch+compile scalar"]
+    assert all(r["compile_s"] > 0 and r["steps_per_s"] > 0 for r in compiled)
 
 
 def test_dispatch_ops_counts_non_view_ops_below_wrappers() -> None:

@@ -46,10 +46,11 @@ class _Runner:
 
 
 def _runner(impl: str, n: int, spec: ForageSpec, device: torch.device, n_actions: int,
-            seed: int, compiled: int = 0) -> _Runner:
+            seed: int, compiled: int = 0, scalar: bool = False) -> _Runner:
     """``impl`` with ``n`` envs and its actions drawn beforehand (``compiled``: ForageTorch's
     step through ``torch.compile``, 1 step per call, or a loop of that many steps compiled as
-    one function)."""
+    one function; ``scalar``: the one step compiled to C++ without SIMD vectors, inductor's
+    ``cpp.simdlen=0``, on the CPU)."""
     rng = np.random.default_rng(seed)
     if impl == "ForagePy":
         envs = [ForagePy(spec, seed=seed, env_index=i) for i in range(n)]
@@ -72,11 +73,12 @@ def _runner(impl: str, n: int, spec: ForageSpec, device: torch.device, n_actions
     if not compiled:
         return _Runner(impl, n, lambda i: env.step(t_actions[i % n_actions]), ops=ops)
     if compiled == 1:
-        fn = torch.compile(env.step, fullgraph=True)
+        fn = torch.compile(env.step, fullgraph=True,
+                           options={"cpp.simdlen": 0} if scalar else None)
         compile_s, _ = timed(lambda: fn(t_actions[0]), device)  # the first call compiles
         env.reset()
-        return _Runner(impl + "+compile", n, lambda i: fn(t_actions[i % n_actions]), ops=ops,
-                       compile_s=compile_s)
+        return _Runner(impl + ("+compile scalar" if scalar else "+compile"), n,
+                       lambda i: fn(t_actions[i % n_actions]), ops=ops, compile_s=compile_s)
 
     def steps(chunk: torch.Tensor) -> None:
         for a in chunk:  # unrolled by torch.compile: one graph of `compiled` steps
@@ -138,16 +140,16 @@ def _fastest(rows: list[dict]) -> dict[int, dict]:
 ENV_BYTES = 4096
 
 
-def _check_fits(plan: list[tuple[str, int, int]], steps: int, device: torch.device) -> None:
+def _check_fits(plan: list[tuple], steps: int, device: torch.device) -> None:
     """Refuse, before anything is allocated, a plan whose runners (all alive at once: each
     env's state and its ``steps`` drawn int64 actions) do not fit in what the device, or the
     process's limits on the host, leave (:func:`labkit.config.host_memory`)."""
     from ..config import available_memory, host_memory
 
-    need = sum(n * (ENV_BYTES + 8 * steps) for _, n, _ in plan)
+    need = sum(n * (ENV_BYTES + 8 * steps) for _, n, *_ in plan)
     free, what = (available_memory(device), "free") if device.type == "cuda" else host_memory()
     if free is not None and need > free:
-        raise ValueError(f"n_envs {max(n for _, n, _ in plan):,}: the benchmark's runners need "
+        raise ValueError(f"n_envs {max(n for _, n, *_ in plan):,}: the benchmark's runners need "
                          f"about {need / 2**30:.1f} GiB on {device}, and {free / 2**30:.1f} GiB "
                          f"is {what}; use smaller --n-envs")
 
@@ -166,7 +168,10 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
     steps/s, the samples, and for torch the non-view aten ops per step; ``compiled`` adds
     ``ForageTorch+compile`` rows (``torch.compile`` of the step) and, if ``compile_loop`` > 1,
     ``ForageTorch+compile xK`` rows (a loop of K steps compiled as one graph; K must divide
-    the steps of a sample and ``warmup``), the first call's seconds in ``compile_s``.
+    the steps of a sample and ``warmup``) and, on the CPU, ``ForageTorch+compile scalar`` rows
+    (the step compiled without SIMD vectors: on an AVX-512 core inductor's vectorized loops
+    over this step's int8 lanes were several times slower than its scalar ones), the first
+    call's seconds in ``compile_s``.
     ``fastest`` says which vectorized implementation leads at each N. A stop signal (under
     :func:`labkit.signals.stop_signals`, or a Ctrl-C) after the first round keeps the rounds
     that finished: ``repeats`` counts them and ``interrupted`` names the signal."""
@@ -188,11 +193,14 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
     if compiled and compile_loop > 1 and (steps % compile_loop or warmup % compile_loop):
         raise ValueError(f"compile_loop must divide the steps per sample ({steps}) and "
                          f"warmup ({warmup}), got {compile_loop}")
-    plan = [("ForagePy", loop_envs, 0), ("ForageTorchLoop", loop_envs, 0)]
-    plan += [(impl, n, 0) for n in sizes for impl in VECTORIZED]
-    plan += [("ForageTorch", n, k) for n in sizes for k in loops] if compiled else []
+    plan = [("ForagePy", loop_envs, 0, False), ("ForageTorchLoop", loop_envs, 0, False)]
+    plan += [(impl, n, 0, False) for n in sizes for impl in VECTORIZED]
+    plan += [("ForageTorch", n, k, False) for n in sizes for k in loops] if compiled else []
+    plan += [("ForageTorch", n, 1, True) for n in sizes] if compiled and dev.type == "cpu" \
+        else []
     _check_fits(plan, steps + warmup, dev)
-    runners = [_runner(impl, n, spec, dev, steps + warmup, seed, c) for impl, n, c in plan]
+    runners = [_runner(impl, n, spec, dev, steps + warmup, seed, c, scalar)
+               for impl, n, c, scalar in plan]
     done, interrupted = _rounds(runners, steps, warmup, repeats, dev)
     rows = []
     for r in runners:
