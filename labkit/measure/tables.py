@@ -189,7 +189,7 @@ def phases(keys: Iterable[str], titles: dict[str, str]) -> Table:
 
 #: The env benchmark: one row per implementation and N (``bench_envs``' ``result["rows"]``).
 ENVS = Table((
-    Column("impl", "implementation", lambda r: r["impl"], 22, left=True),
+    Column("impl", "implementation", lambda r: r["impl"], 26, left=True),
     Column("n_envs", "N", lambda r: str(r["n_envs"]), 7),
     Column("steps/s", "env steps/s (median)", lambda r: fmt(r["steps_per_s"]), 11),
     Column("min", "min", lambda r: fmt((r.get("steps_per_s_spread") or [None])[0]), 11),
