@@ -74,8 +74,11 @@ from .report import KINDS, Finding, Report
 
 #: The sizes the doctor runs at unless given a RunConfig: small, it only counts.
 DOCTOR_RUN = dict(n_envs=16, n_steps=16)
-#: How the doctor's own configs run a stage that compiles where it pays: compiled, with its
-#: convolutions as conv2d, so that what it counts does not depend on a timing taken at warmup.
+#: How the doctor's own configs run a stage that compiles where it pays: compiled, so that
+#: what it counts does not depend on a timing taken at warmup; and how every stage it builds
+#: runs its convolutions unless the config forces matmul (for the same reason: a config's
+#: "auto" would time them at warmup, iterations that also use up dynamo's recompile limit
+#: for a model that recompiles).
 DOCTOR_COMPILE = "compiled"
 DOCTOR_CONV_MATH = "conv2d"
 
@@ -113,15 +116,18 @@ def diagnose(target: Pipeline | Stage | int | str, iterations: int = 5,
     CUDA graphs is diagnosed as a fresh pipeline :func:`without_graphs` that loads its state.
     ``iterations``: timed iterations (at least 2; 5 by default, enough for a min, median and
     max). ``baseline``: compare op counts with the clean ladder stage of the same index (built
-    once per process and size); without it there are no ``excess_ops`` findings."""
+    once per process and size); without it there are no ``excess_ops`` findings. A stage it
+    builds runs its convolutions as conv2d unless ``cfg`` forces matmul
+    (``DOCTOR_CONV_MATH``)."""
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 2:
         raise ValueError(f"iterations must be an int >= 2, got {iterations!r}")
     if isinstance(target, Pipeline):
         stage, cfg, device = target.stage, target.cfg, target.device
     else:
         stage, device = get_stage(target), resolve_device(device)
-        cfg = cfg if cfg is not None else RunConfig(**DOCTOR_RUN, compile=DOCTOR_COMPILE,
-                                                    conv_math=DOCTOR_CONV_MATH)
+        cfg = cfg if cfg is not None else RunConfig(**DOCTOR_RUN, compile=DOCTOR_COMPILE)
+        if cfg.conv_math == "auto":  # what it counts must not depend on a warmup's timing
+            cfg = cfg.replace(conv_math=DOCTOR_CONV_MATH)
     report = Report(stage.name, str(device), cfg.n_envs, cfg.n_steps, iterations)
     if not isinstance(target, Pipeline):
         try:
