@@ -508,6 +508,22 @@ def test_building_a_pipeline_leaves_the_readers_compiled_functions_alone():
     assert len(compiles) == 1
 
 
+def test_each_group_of_a_sweep_starts_from_empty_compile_caches(monkeypatch):
+    """Between groups (the ladder at its N, then each N of the sweep) no pipeline is alive, and
+    the compiled code of the groups before is dropped: one code object holds every compiled
+    version of a function, and a whole sweep passed dynamo's recompile limit."""
+    from labkit.measure import bench
+
+    events = []
+    monkeypatch.setattr(torch.compiler, "reset", lambda: events.append("reset"))
+    monkeypatch.setattr(bench, "measure_stages",
+                        lambda stages, c, *a, **k: events.append(c.run.n_envs) or [])
+    todo = bench.ladder_plan(BENCH, CPU, [STAGES[3], STAGES[7]])
+    bench._measure_plan(todo, BENCH, CPU, {"peaks": {}, "lap_cost_s": 0.0},
+                        {"ladder": [], "scaling": []}, None, None)
+    assert events == ["reset", 8, "reset", 8, "reset", 16]
+
+
 @pytest.mark.slow
 def test_ladder_twice_does_not_grow_memory():
     """RSS after a second ladder stays within 64 MiB of the first (allocator noise,

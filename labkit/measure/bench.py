@@ -461,6 +461,11 @@ def _measure_plan(todo: list, cfg: BenchConfig, device: torch.device, cal: dict,
         for (section, _), (c, stages) in groups.items():
             if progress:
                 progress(done, len(todo), f"{len(stages)} stage(s) at N={c.run.n_envs}")
+            # No pipeline is alive between groups: drop the compiled code of the groups before.
+            # Dynamo keeps every compiled version of a function on its one code object, and a
+            # sweep (each N, each stage's precision, stage 7's two ways to run convolutions)
+            # passed its recompile limit (8), where a fullgraph compile fails.
+            torch.compiler.reset()
             for row in measure_stages(stages, c, device, peaks=cal["peaks"],
                                       lap_cost=cal["lap_cost_s"]):
                 result[section].append(row)
