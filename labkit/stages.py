@@ -340,8 +340,9 @@ class Pipeline:
     (see labkit.distributed). Building one touches no process-global state: the model is
     initialized from ``cfg.seed`` under a forked RNG, and nothing resets torch.compile's caches
     (compiled code is shared by pipelines of the same shapes: it guards on tensor properties,
-    not on which module holds them, and on the conv body's ``conv_math``). ``close()`` releases the logger, the rollout buffers and
-    any captured graph at once, without waiting for the garbage collector.
+    not on which module holds them, and on the conv body's ``conv_math``). ``close()``
+    releases the logger, the rollout buffers and any captured graph at once, without waiting
+    for the garbage collector.
     ``assume``: requirements taken as met (see :meth:`Stage.skip_reason`).
     """
 
