@@ -238,6 +238,13 @@ def describe_conv_math(made: dict[str, dict]) -> str:
                                         for part, m in made.items())
 
 
+def describe_model_math(made: dict[str, dict] | None, convs: dict[str, dict] | None) -> str:
+    """What a stage kept for its convolutions (``convs``) and its model math (``made``), each
+    described, joined by "; " ("" where it kept nothing)."""
+    return "; ".join(([describe_conv_math(convs)] if convs else [])
+                     + ([describe_choices(made)] if made else []))
+
+
 def describe_choices(made: dict[str, dict]) -> str:
     """Every part's :func:`describe_choice`, joined by "; "."""
     return "; ".join(describe_choice(part, m) for part, m in made.items())

@@ -30,7 +30,7 @@ from .. import debug
 from ..capture import warmup
 from ..device import parse_device, resolve_device
 from ..distributed import SINGLE, Group, current, join, leave, parameter_checksum
-from ..executors import describe_choices, describe_conv_math
+from ..executors import describe_model_math
 from ..files import FolderLock, describe_os_error
 from ..logging import AsyncLogger, SyncLogger, TensorBoardSink, quiet_thread_os_errors
 from ..signals import raise_if_stopped, signals_deferred, signum_of, stop_signals
@@ -414,9 +414,8 @@ def start_line(cfg: TrainConfig, pipe: Pipeline) -> str:
     """What a run prints as it starts: the stage, device, precision and, where the stage
     chooses, what runs its model math and why."""
     line = f"train: {cfg.stage} on {pipe.device}, {pipe.precision.describe()}"
-    return line + "".join(f"; {text}" for text in (
-        describe_conv_math(pipe.conv_choices) if pipe.conv_choices else "",
-        describe_choices(pipe.executor_choices) if pipe.executor_choices else "") if text)
+    math = describe_model_math(pipe.executor_choices, pipe.conv_choices)
+    return line + (f"; {math}" if math else "")
 
 
 def _show(bar: Any, record: dict, steps: int) -> None:

@@ -32,7 +32,7 @@ import torch
 from ..capture import warmup
 from ..config import BenchConfig, RunConfig, available_memory, memory_estimate
 from ..device import run_metadata, synchronize
-from ..executors import describe_choices, describe_conv_math
+from ..executors import describe_model_math
 from ..policy import flops_per_sample
 from ..ppo import Batch
 from ..signals import raise_if_stopped, signum_of
@@ -497,8 +497,7 @@ def ladder_notes(result: dict) -> str:
                      "replayed in a CUDA graph; * kept by timing both at warmup; +mm the "
                      "convolutions as matmuls")
     lines += [f"model math, {r['stage']} {r['name']}: "
-              + "; ".join(([describe_conv_math(r["conv_math"])] if r.get("conv_math") else [])
-                          + [describe_choices(r["executor_choices"])])
+              + describe_model_math(r["executor_choices"], r.get("conv_math"))
               for r in result["ladder"] if r.get("executor_choices")]
     if result.get("interrupted"):
         lines.append(f"PARTIAL: interrupted by {result['interrupted']}; what is not listed did "

@@ -20,7 +20,7 @@ from ..capture import warmup
 from ..config import RunConfig
 from ..device import run_metadata
 from ..envs import ForageNumpy, ForageTorch
-from ..executors import describe_choices, describe_conv_math
+from ..executors import describe_model_math
 from ..policy import HIDDEN, N_ACTIONS, layer_init
 from ..stages import Pipeline, get_stage
 from . import tables
@@ -168,9 +168,8 @@ def format_table(result: dict) -> str:
         f"{result['meta']['device_name']} (cpu), {result['threads']} thread(s), torch "
         f"{result['meta']['torch']}; {result['rounds']} interleaved rounds of "
         f"{result['iterations']} iterations each",
-        *([f"labkit's model math: " + "; ".join(
-            ([describe_conv_math(result["conv_math"])] if result.get("conv_math") else [])
-            + [describe_choices(result["executor_choices"])])]
+        *([f"labkit's model math: "
+           + describe_model_math(result["executor_choices"], result.get("conv_math"))]
           if result.get("executor_choices") else []),
         f"same work: {result['env']} x {run['n_envs']} envs, seed {run['seed']}, "
         f"T={run['n_steps']}; "
