@@ -27,6 +27,17 @@ def mix(x, out=None):
     return x ^ (x >> 16) if out is None else torch.bitwise_xor(x, x >> 16, out=out)
 
 
+def mix_(x: torch.Tensor, shifted: torch.Tensor) -> torch.Tensor:
+    """``mix`` of an int64 tensor in place, the same ten operations with nothing allocated
+    (``shifted``, of ``x``'s shape, takes the shifts): the form a step made on every call uses,
+    where each temporary would be fresh memory."""
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted))
+    x.mul_(_M1).bitwise_and_(MASK)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=shifted))
+    x.mul_(_M2).bitwise_and_(MASK)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted))
+
+
 def chain(h, *keys):
     """``h`` mixed with each key in turn: ``chain(chain(h, a), b) == chain(h, a, b)``, so a
     prefix of the keys can be hashed once and reused (ForageTorch keeps per-env and

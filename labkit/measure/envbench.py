@@ -241,7 +241,7 @@ def _step_by_parts(env: ForageTorch, actions: torch.Tensor,
     reward, passes = part("hash and reward", env._hash, cell)
     for n, values, column in passes:
         col = part("find cells, write", env._place, n, values)
-        env._next_pos.scatter_(1, column, col[1:].T)
+        env._next_pos.scatter_(1, column, col[1])
     truncated, info = part("episode end", env._end_episodes, reward)
     obs = part("observation", env.observation)
     if env.final_obs:
