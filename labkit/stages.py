@@ -238,7 +238,7 @@ PARTS = tuple(PART_PHASE)
 #: measured at start-up. The CPU's is ``results/ladder_cpu_quick.json``'s fastest; CUDA's is
 #: ``results/ladder_cuda_full.json``'s (an H200), which needs bf16: on a GPU without it the
 #: default is :data:`REFERENCE_STAGE`, the last rung that runs on every GPU (:func:`default_stage`).
-DEFAULT_STAGE: dict[str, str] = {"cpu": "numpy_vec", "cuda": "cuda_graphs"}
+DEFAULT_STAGE: dict[str, str] = {"cpu": "batched_ops", "cuda": "cuda_graphs"}
 
 
 #: The last rung that runs on every device: what the doctor diagnoses when told nothing, and
