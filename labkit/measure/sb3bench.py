@@ -168,7 +168,7 @@ def format_table(result: dict) -> str:
         f"{result['meta']['device_name']} (cpu), {result['threads']} thread(s), torch "
         f"{result['meta']['torch']}; {result['rounds']} interleaved rounds of "
         f"{result['iterations']} iterations each",
-        *([f"labkit's model math: "
+        *(["labkit's model math: "
            + describe_model_math(result["executor_choices"], result.get("conv_math"))]
           if result.get("executor_choices") else []),
         f"same work: {result['env']} x {run['n_envs']} envs, seed {run['seed']}, "
