@@ -126,7 +126,7 @@ def test_the_cpu_default_stage_is_the_fastest_of_the_recorded_cpu_ladder_at_trai
     run = result["config"]["run"]
     assert (run["n_envs"], run["n_steps"]) == (RunConfig().n_envs, RunConfig().n_steps), (
         f"{path.name} was recorded at N={run['n_envs']}, T={run['n_steps']}, not at train's "
-        "defaults: re-record it (README, 'The ladder')")
+        "defaults: re-record it (the README says how)")
     rows = {r["name"]: r for r in result["ladder"] if r["status"] == "ok"}
     mine = rows[DEFAULT_STAGE["cpu"]]
     faster = [name for name, r in rows.items() if min(r["sps_spread"]) > max(mine["sps_spread"])]

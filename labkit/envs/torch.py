@@ -186,8 +186,8 @@ class ForageTorch:
     def _scratch(self, n: int, k: int) -> None:
         """What each step writes and throws away, allocated once (nothing is allocated for it
         per step but the tensors it returns), and the views of state and scratch the step
-        uses, made once: in eager each view is a dispatch of its own, and making them on every
-        step cost about a fifth of a step at N=256 on the CPU."""
+        uses, made once: in eager each view is a dispatch of its own (50 of the step's 93
+        dispatches were views; 8 are now)."""
         dev, w, cells = self.device, 5 + k, self._n_cells
         self._free = torch.empty(2, n, cells, dtype=torch.int8, device=dev)
         self._count = torch.empty(2, n, cells, dtype=self._count_dtype, device=dev)
