@@ -235,10 +235,11 @@ PARTS = tuple(PART_PHASE)
 
 #: The stage a run uses when none is named, by device type: the fastest on that device in its
 #: recorded ladder (``results/ladder_<device>_*.json``; a test holds this to those files), not
-#: measured at start-up. The CPU's is the fastest of ``results/ladder_cpu_train.json``, the
-#: ladder at ``train``'s own N and T (``RunConfig``'s defaults; ties, ranges that overlap, go
-#: either way); CUDA's is ``results/ladder_cuda_full.json``'s (an H200), which needs bf16: on a
-#: GPU without it the default is :data:`REFERENCE_STAGE`, the last rung that runs on every GPU
+#: measured at start-up. The CPU's is read from ``results/ladder_cpu_train.json``, the ladder
+#: at ``train``'s own N and T (``RunConfig``'s defaults): no stage there is measurably faster
+#: (ranges that overlap tie), and of the tied it is the fastest that starts without compiling.
+#: CUDA's is ``results/ladder_cuda_full.json``'s (an H200), which needs bf16: on a GPU without
+#: it the default is :data:`REFERENCE_STAGE`, the last rung that runs on every GPU
 #: (:func:`default_stage`).
 DEFAULT_STAGE: dict[str, str] = {"cpu": "batched_ops", "cuda": "cuda_graphs"}
 
