@@ -199,6 +199,50 @@ class PopArtValueHead(nn.Module):
 CONV_MATHS = ("conv2d", "matmul")
 
 
+def places(conv: nn.Conv2d, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables that lay ``conv``'s weight (O, C, 3, 3) out as the dense matrix of an
+    unpadded 3x3 convolution of a C x side x side input, int64 on the CPU:
+
+    * ``place`` (C*side*side, O*s*s), s = side - 2: the flat index into the weight of entry
+      ((c, y, x), (o, y', x')), ``W[o, c, y - y', x - x']``, or ``W.numel()`` (one past the
+      weight: a 0) where the window at (y', x') does not reach (y, x);
+    * ``taken`` (O*C*9, s*s): the flat indices into the dense matrix where each weight sits
+      (every output cell of an unpadded convolution sees the whole window, so each weight sits
+      at s*s places), in ascending order."""
+    c_in, c_out, s = conv.in_channels, conv.out_channels, side - 2
+    c, y, x, o, y2, x2 = torch.meshgrid(*(torch.arange(n) for n in (c_in, side, side,
+                                                                   c_out, s, s)), indexing="ij")
+    dy, dx = y - y2, x - x2
+    reached = (dy >= 0) & (dy < 3) & (dx >= 0) & (dx < 3)
+    flat = ((o * c_in + c) * 3 + dy.clamp(0, 2)) * 3 + dx.clamp(0, 2)
+    place = torch.where(reached, flat, conv.weight.numel()).reshape(c_in * side * side, -1)
+    order = torch.sort(place.flatten(), stable=True)
+    taken = order.indices[:conv.weight.numel() * s * s].view(conv.weight.numel(), s * s)
+    return place, taken
+
+
+class Placed(torch.autograd.Function):
+    """``weight``'s entries laid out by a table of places: the result's entry i is
+    ``weight.flatten()[place.flatten()[i]]``, 0 where it points one past the weight, and the
+    gradient of weight entry j is the sum of the result's gradient over its places,
+    ``taken[j]`` (:func:`places`). Forward and backward are a gather each: autograd's own
+    backward of a gather is a scatter-add, several times slower on a CPU."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, place: torch.Tensor, taken: torch.Tensor
+                ) -> torch.Tensor:
+        ctx.save_for_backward(taken)
+        ctx.weight_shape = weight.shape
+        padded = F.pad(weight.reshape(-1), (0, 1))
+        return padded.index_select(0, place.reshape(-1)).view(place.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (taken,) = ctx.saved_tensors
+        summed = grad.reshape(-1).index_select(0, taken.reshape(-1)).view(taken.shape).sum(-1)
+        return summed.view(ctx.weight_shape), None, None
+
+
 class ConvBody(nn.Sequential):
     """conv(3->16, 3x3) -> ReLU -> conv(16->32, 3x3) -> ReLU -> flatten -> linear(128) -> ReLU,
     with its convolutions computed one of two ways (``conv_math``, the same parameters and
@@ -207,10 +251,11 @@ class ConvBody(nn.Sequential):
     * ``"conv2d"``: ``nn.Conv2d``, the library's convolution kernels (cuDNN, oneDNN);
     * ``"matmul"``: each convolution as one matrix product, ``x.flatten(1) @ D`` with ``D``
       its weight laid out densely, (C*H*W, O*H'*W'): entry (input cell, output cell) is the
-      weight that joins them, 0 where the 3x3 window does not reach. ``D`` is the convolution
-      applied to every basis image (``F.conv2d`` of the identity, one small call), so it stays
-      differentiable in the weight. At view 7 it does 5.4x (first conv) and 2.8x (second) the
-      convolutions' multiply-adds, the extra ones by zeros, but as one wide matmul: where the
+      weight that joins them, 0 where the 3x3 window does not reach. ``D`` is gathered from
+      the weight through a fixed table of places (:class:`Placed`), and its gradient gathered
+      back the same way, so it stays differentiable in the weight. At view 7 it does 5.4x
+      (first conv) and 2.8x (second) the convolutions' multiply-adds, the extra ones by
+      zeros, but as one wide matmul: where the
       narrow channel counts (3, 16, 32) leave a conv kernel's matmul units idle, as with
       oneDNN's bf16 convolutions on a CPU with AMX, it can still be faster. Which is faster is
       measured, never assumed: ``python -m labkit bench-update`` times both, and stage 7
@@ -223,8 +268,8 @@ class ConvBody(nn.Sequential):
     matmuls stay full float32 (``labkit.device``), so there the two differ by TF32's rounding.
     """
 
-    #: The most elements the bases and dense matrices of :attr:`conv_math` "matmul" may hold
-    #: for a stage to time it (4M, 16 MB in float32: views up to 9; view 7's hold 356k).
+    #: The most elements the place tables and dense matrices of :attr:`conv_math` "matmul"
+    #: may hold for a stage to time it (4M: views up to 9; view 7's hold 400k).
     MATMUL_MAX_ELEMENTS = 4 * 2**20
 
     def __init__(self, view: int = 7, conv_math: str = "conv2d") -> None:
@@ -241,12 +286,18 @@ class ConvBody(nn.Sequential):
         return nn.Sequential(*list(self._modules.values())[idx]) if isinstance(idx, slice) \
             else super().__getitem__(idx)
 
+    def _convs(self) -> tuple[tuple[nn.Conv2d, int], tuple[nn.Conv2d, int]]:
+        """Each convolution with the side of its input."""
+        return (self[0], self.view), (self[2], self.view - 2)
+
     @property
     def matmul_fits(self) -> bool:
-        """Whether the dense matrices of "matmul" hold at most :attr:`MATMUL_MAX_ELEMENTS`."""
-        cells = [(conv.in_channels * side**2, conv.out_channels * (side - 2) ** 2)
-                 for conv, side in ((self[0], self.view), (self[2], self.view - 2))]
-        return sum(i * i + i * o for i, o in cells) <= self.MATMUL_MAX_ELEMENTS
+        """Whether the place tables and dense matrices of "matmul" hold at most
+        :attr:`MATMUL_MAX_ELEMENTS`: per convolution, the dense matrix and its table of places
+        (C*H*W x O*H'*W' each) and the table of each weight's places (weights x H'*W')."""
+        return sum(2 * conv.in_channels * side**2 * conv.out_channels * (side - 2) ** 2
+                   + conv.weight.numel() * (side - 2) ** 2
+                   for conv, side in self._convs()) <= self.MATMUL_MAX_ELEMENTS
 
     @property
     def conv_math(self) -> str:
@@ -254,35 +305,34 @@ class ConvBody(nn.Sequential):
 
     @conv_math.setter
     def conv_math(self, value: str) -> None:
-        """Set it after ``.to(device)`` or before. The first "matmul" makes one basis per
-        convolution, (C*H*W, C, H, W), kept as buffers that move with the module but are not
-        saved (a state dict is the same either way); switching back and forth after that
-        makes nothing."""
+        """Set it after ``.to(device)`` or before. The first "matmul" makes each
+        convolution's place tables (:func:`places`), kept as buffers that move with the module
+        but are not saved (a state dict is the same either way); switching back and forth
+        after that makes nothing."""
         if value not in CONV_MATHS:
             raise ValueError(f"conv_math must be one of {', '.join(CONV_MATHS)}; got {value!r}")
         self._conv_math = value
-        if value == "matmul" and not hasattr(self, "_basis1"):
-            for name, conv, side in (("_basis1", self[0], self.view),
-                                     ("_basis2", self[2], self.view - 2)):
-                cells = conv.in_channels * side * side
-                basis = torch.eye(cells, dtype=conv.weight.dtype, device=conv.weight.device)
-                self.register_buffer(name, basis.view(cells, conv.in_channels, side, side),
-                                     persistent=False)
+        if value == "matmul" and not hasattr(self, "_place1"):
+            for i, (conv, side) in enumerate(self._convs(), 1):
+                place, taken = places(conv, side)
+                for name, table in ((f"_place{i}", place), (f"_taken{i}", taken)):
+                    self.register_buffer(name, table.to(conv.weight.device), persistent=False)
 
-    @staticmethod
-    def dense(conv: nn.Conv2d, basis: torch.Tensor) -> torch.Tensor:
-        """``conv``'s weight as the (C*H*W, O*H'*W') matrix of :attr:`conv_math` "matmul"."""
-        return F.conv2d(basis, conv.weight).flatten(1)
+    def dense(self, i: int) -> torch.Tensor:
+        """Convolution ``i``'s (1 or 2) weight as the (C*H*W, O*H'*W') matrix of
+        :attr:`conv_math` "matmul"."""
+        conv = self[0] if i == 1 else self[2]
+        return Placed.apply(conv.weight, getattr(self, f"_place{i}"),
+                            getattr(self, f"_taken{i}"))
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         """obs (B, 3, V, V) float -> features (B, 128)."""
         if self._conv_math == "conv2d":
             return super().forward(obs)
         x = obs.flatten(1)
-        for conv, basis in ((self[0], self._basis1), (self[2], self._basis2)):
-            out_side = basis.shape[-1] - 2
-            bias = conv.bias.view(-1, 1).expand(-1, out_side * out_side).flatten()
-            x = F.relu(torch.addmm(bias, x, self.dense(conv, basis)))
+        for i, (conv, side) in enumerate(self._convs(), 1):
+            bias = conv.bias.view(-1, 1).expand(-1, (side - 2) ** 2).flatten()
+            x = F.relu(torch.addmm(bias, x, self.dense(i)))
         return F.relu(self[5](x))
 
 

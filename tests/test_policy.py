@@ -68,6 +68,27 @@ def test_matmul_convolutions_compute_what_conv2d_does(device, view):
         assert (a.float() - b.float()).abs().max() <= 2e-2 * a.float().abs().max()
 
 
+@pytest.mark.parametrize("view", [5, 7, 9])
+def test_the_placed_dense_matrix_is_the_convolution_of_every_basis_image(view):
+    """What ``Placed`` gathers is, exactly, each convolution applied to every one-hot input
+    (the dense matrix's definition), and its gathered-back gradient is the one autograd
+    takes through that convolution (the same sums in another order: fp32 rounding)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(1)
+    body = Agent(view=view, conv_math="matmul").body
+    for i, (conv, side) in enumerate(body._convs(), 1):
+        cells = conv.in_channels * side * side
+        basis = torch.eye(cells).view(cells, conv.in_channels, side, side)
+        reference = F.conv2d(basis, conv.weight).flatten(1)
+        placed = body.dense(i)
+        assert torch.equal(placed, reference)
+        upstream = torch.randn(reference.shape)
+        (want,) = torch.autograd.grad(reference, conv.weight, upstream)
+        (got,) = torch.autograd.grad(placed, conv.weight, upstream)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_dense_matrices_are_considered_only_where_they_fit_and_slices_work():
     from labkit.policy import ConvBody
 
@@ -88,9 +109,10 @@ def test_conv_math_is_checked_and_switchable():
     obs = _obs(5)
     before = agent(obs)[0]
     assert not list(agent.named_buffers())
-    agent.body.conv_math = "matmul"  # its bases are buffers, not saved
-    assert {n for n, _ in agent.named_buffers()} == {"body._basis1", "body._basis2"}
-    assert "body._basis1" not in agent.state_dict()
+    agent.body.conv_math = "matmul"  # its place tables are buffers, not saved
+    assert {n for n, _ in agent.named_buffers()} == {f"body._{t}{i}" for t in ("place", "taken")
+                                                     for i in (1, 2)}
+    assert not any("._place" in k or "._taken" in k for k in agent.state_dict())
     torch.testing.assert_close(agent(obs)[0], before, rtol=1e-5, atol=1e-7)
     agent.body.conv_math = "conv2d"
     assert torch.equal(agent(obs)[0], before)
