@@ -5,7 +5,7 @@ import json
 import pytest
 
 from labkit.app.cli import main
-from labkit.measure.updatebench import CPU_VARIANTS, VARIANTS
+from labkit.measure.updatebench import CPU_VARIANTS, FORMULATIONS, VARIANTS, model_products
 
 
 @pytest.mark.slow
@@ -28,7 +28,16 @@ def test_every_variant_is_timed_at_every_size_and_written(tmp_path, capsys):
         assert r["frac_of_peak"] == pytest.approx(
             r["model_flops"] / (r["median_ms"] / 1e3) / r["peak_flops"])
         assert 0 < r["frac_of_peak"] and r["peak_flops"] > 1e9
+    # the floors: the model's products alone, per formulation and precision, after the rows
+    floors = result["floors"]
+    assert [(r["minibatch"], r["formulation"], r["precision"]) for r in floors] == [
+        (n, form, prec) for n in (64, 128) for form in FORMULATIONS for prec in ("fp32", "bf16")]
+    for r in floors:
+        assert r["min_ms"] <= r["median_ms"] <= r["max_ms"] and len(r["samples_ms"]) == 2
+        assert r["max_frac_of_peak"] == pytest.approx(
+            r["model_flops"] / (r["median_ms"] / 1e3) / r["peak_flops"])
     out = capsys.readouterr().out
+    assert "% peak at most" in out and "im2col bf16" in out
     assert "compiled bf16 matmul" in out and "compiled/256b fp32 conv2d" in out
     assert "% peak" in out
     assert out.rstrip().endswith("bench_update_cpu.json")
@@ -48,3 +57,16 @@ def test_a_bad_size_is_one_line_and_exit_2(sizes, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "MINIBATCH:THREADS" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("view", [5, 7, 9])
+def test_the_floors_products_are_the_models(view):
+    """im2col's products do exactly the model's multiply-adds (labkit.policy's count); the
+    dense matmuls' do more, by the zeros outside each window."""
+    from labkit.policy import flops_per_sample
+
+    products = model_products(10, view)
+    forward = {form: sum(2 * m * k * n for m, k, n in p) for form, p in products.items()}
+    assert forward["im2col"] == 10 * flops_per_sample(view)["forward"]
+    assert forward["matmul"] > forward["im2col"]
+    assert products["matmul"][2:] == products["im2col"][2:]  # the linear layer and the heads

@@ -6,6 +6,13 @@ backward, grad clip, Adam on the reference agent), timed in interleaved rounds; 
 the min-max spread, and the model work per second as a share of a large matmul's rate in the
 variant's dtype, measured at the size's thread count. What decides, on a given CPU, whether
 compile, bf16 and the matmul convolutions pay: ``python -m labkit bench-update``.
+
+Beside them, the update's floor: the model's matrix products alone, the forward's and the
+backward's, with nothing else between them (no loss, no elementwise op, no optimizer), in
+each precision, with the convolutions as the dense matmuls of ``conv_math`` "matmul" and as
+im2col products (the convolutions' own multiply-adds, the unfolding itself not timed). The
+share of the peak the model's FLOPs would reach in that time is the most any variant of the
+update can reach at that size on that device (:data:`FORMULATIONS`).
 """
 from __future__ import annotations
 
@@ -15,7 +22,8 @@ from functools import partial
 import torch
 
 from ..device import run_metadata
-from ..policy import Agent, flops_per_sample
+from ..envs.spec import N_ACTIONS, N_CHANNELS
+from ..policy import HIDDEN, Agent, flops_per_sample
 from ..ppo import Batch, PPOConfig, minibatch_step, ppo_loss
 from ..precision import Precision
 from ..timing import timed
@@ -42,6 +50,51 @@ TABLE = tables.Table((
     tables.Column("x eager", "x eager fp32", lambda r: f"{r['x_eager_fp32']:.2f}", 7),
     tables.Column("% peak", "% of matmul peak", lambda r: f"{100 * r['frac_of_peak']:.1f}", 6),
 ))
+
+
+FLOOR_TABLE = tables.Table((
+    tables.Column("minibatch", "minibatch", lambda r: f"{r['minibatch']:,}", 9),
+    tables.Column("threads", "threads", lambda r: str(r["threads"] or "-"), 7),
+    tables.Column("products", "the model's products", lambda r: f"{r['formulation']} "
+                  f"{r['precision']}", 25, left=True),
+    tables.Column("median ms", "median ms", lambda r: f"{r['median_ms']:.1f}", 9),
+    tables.Column("min", "min ms", lambda r: f"{r['min_ms']:.1f}", 7),
+    tables.Column("max", "max ms", lambda r: f"{r['max_ms']:.1f}", 7),
+    tables.Column("% peak at most", "% of matmul peak at most",
+                  lambda r: f"{100 * r['max_frac_of_peak']:.1f}", 14),
+))
+#: The two ways the floor lays out the model's convolutions as matrix products.
+FORMULATIONS = ("matmul", "im2col")
+
+
+def model_products(n: int, view: int = 7) -> dict[str, list[tuple[int, int, int]]]:
+    """The forward's matrix products of the reference conv agent on ``n`` observations, (M, K,
+    N) each, in :data:`FORMULATIONS`' two ways: the convolutions as the dense matmuls of
+    ``conv_math`` "matmul" ((n, C*V*V) by (C*V*V, O*V'*V')) or as im2col products ((n*V'*V',
+    C*9) by (C*9, O): exactly the convolutions' multiply-adds); then the linear layer and the
+    two heads as one product."""
+    s1, s2 = view - 2, view - 4
+    tail = [(n, 32 * s2 * s2, HIDDEN), (n, HIDDEN, N_ACTIONS + 1)]
+    return {"matmul": [(n, N_CHANNELS * view * view, 16 * s1 * s1),
+                       (n, 16 * s1 * s1, 32 * s2 * s2)] + tail,
+            "im2col": [(n * s1 * s1, N_CHANNELS * 9, 16), (n * s2 * s2, 16 * 9, 32)] + tail}
+
+
+def _products_pass(products: list[tuple[int, int, int]], dtype: torch.dtype,
+                   device: torch.device) -> partial:
+    """One forward and backward pass's products, as one call: per layer the forward (M, K) @
+    (K, N), the input's gradient (M, N) @ (N, K) (not the first layer's: the observations
+    need none) and the weight's (K, M) @ (M, N), on operands made once."""
+    pairs = []
+    for i, (m, k, n) in enumerate(products):
+        for a, b, c in [(m, k, n)] + ([(m, n, k)] if i else []) + [(k, m, n)]:
+            pairs.append((torch.randn(a, b, dtype=dtype, device=device),
+                          torch.randn(b, c, dtype=dtype, device=device)))
+
+    def run() -> None:
+        for x, w in pairs:
+            torch.mm(x, w)
+    return partial(run)
 
 
 def _minibatch(n: int, device: torch.device, generator: torch.Generator) -> Batch:
@@ -85,14 +138,16 @@ def _steps(n: int, device: torch.device, cfg: PPOConfig
 
 def bench_update(device: torch.device, sizes: list[tuple[int, int]], rounds: int = 5) -> dict:
     """Each (minibatch, threads) of ``sizes``: every variant warmed up (compiled; twice),
-    then timed ``rounds`` times, the variants interleaved in each round, and a large matmul
-    timed in each precision (:func:`labkit.measure.bench.matmul_peak_flops`). Threads are
-    set on the CPU only (and restored). After each size ``torch.compiler.reset()`` drops the
-    compiles it made: each size, precision, convolution math and set of compile options is
-    another cache entry of the one code object dynamo keeps them on for every compiled
-    ``partial``, and past its recompile limit (8) the next ``fullgraph`` compile of the loss
-    in the process (a stage's) failed."""
-    rows, cfg, saved = [], PPOConfig(), torch.get_num_threads()
+    then timed ``rounds`` times, the variants interleaved in each round; then the floors
+    (``result["floors"]``: the model's products alone, per formulation and precision) the
+    same way; and a large matmul timed in each precision
+    (:func:`labkit.measure.bench.matmul_peak_flops`). Threads are set on the CPU only (and
+    restored). After each size ``torch.compiler.reset()`` drops the compiles it made: each
+    size, precision, convolution math and set of compile options is another cache entry of
+    the one code object dynamo keeps them on for every compiled ``partial``, and past its
+    recompile limit (8) the next ``fullgraph`` compile of the loss in the process (a stage's)
+    failed."""
+    rows, floors, cfg, saved = [], [], PPOConfig(), torch.get_num_threads()
     train_flops = flops_per_sample()["train"]
     try:
         for n, threads in sizes:
@@ -106,8 +161,27 @@ def bench_update(device: torch.device, sizes: list[tuple[int, int]], rounds: int
                 for key, step in steps.items():
                     times[key].append(timed(step, device)[0])
             torch.compiler.reset()
+            passes = {(form, prec): _products_pass(products, PEAK_DTYPES[prec], device)
+                      for form, products in model_products(n).items()
+                      for prec in ("fp32", "bf16")}
+            for run in passes.values():
+                run(), run()
+            floor_times: dict = {key: [] for key in passes}
+            for _ in range(rounds):
+                for key, run in passes.items():
+                    floor_times[key].append(timed(run, device)[0])
+            del passes
             peaks = {prec: matmul_peak_flops(device, dtype=PEAK_DTYPES[prec])["peak_flops"]
                      for prec in ("fp32", "bf16")}
+            for (form, prec), found in floor_times.items():
+                median = statistics.median(found)
+                floors.append({"minibatch": n, "threads": threads if device.type == "cpu"
+                               else None, "formulation": form, "precision": prec,
+                               "median_ms": 1e3 * median, "min_ms": 1e3 * min(found),
+                               "max_ms": 1e3 * max(found),
+                               "samples_ms": [1e3 * t for t in found],
+                               "model_flops": train_flops * n, "peak_flops": peaks[prec],
+                               "max_frac_of_peak": train_flops * n / median / peaks[prec]})
             reference = statistics.median(times[VARIANTS[0]])
             for (ex, prec, math), found in times.items():
                 median = statistics.median(found)
@@ -121,7 +195,7 @@ def bench_update(device: torch.device, sizes: list[tuple[int, int]], rounds: int
     finally:
         torch.set_num_threads(saved)
         torch.compiler.reset()
-    return {"meta": run_metadata(device), "rounds": rounds, "rows": rows}
+    return {"meta": run_metadata(device), "rounds": rounds, "rows": rows, "floors": floors}
 
 
 def format_table(result: dict) -> str:
@@ -133,4 +207,10 @@ def format_table(result: dict) -> str:
         f"{result['rounds']} interleaved rounds; x eager fp32: the eager fp32 conv2d median over "
         "the row's (above 1: faster); % peak: the model's FLOPs (forward and backward, "
         "labkit.policy.flops_per_sample; not the zeros the matmul convolutions also multiply) "
-        "per second over a large matmul's in the row's dtype, on the row's threads"])
+        "per second over a large matmul's in the row's dtype, on the row's threads", "",
+        *([FLOOR_TABLE.text(result["floors"]),
+           "the update's floor: the model's matrix products alone (forward, and backward but "
+           "the observations' gradient), nothing between them, the convolutions as dense "
+           "matmuls or as im2col products (the unfolding not timed); % peak at most: the "
+           "model's FLOPs in that time, the most any variant above can reach"]
+          if result.get("floors") else [])])
