@@ -17,6 +17,7 @@ update can reach at that size on that device (:data:`FORMULATIONS`).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -81,7 +82,7 @@ def model_products(n: int, view: int = 7) -> dict[str, list[tuple[int, int, int]
 
 
 def _products_pass(products: list[tuple[int, int, int]], dtype: torch.dtype,
-                   device: torch.device) -> partial:
+                   device: torch.device) -> Callable[[], None]:
     """One forward and backward pass's products, as one call: per layer the forward (M, K) @
     (K, N), the input's gradient (M, N) @ (N, K) (not the first layer's: the observations
     need none) and the weight's (K, M) @ (M, N), on operands made once."""
@@ -94,7 +95,7 @@ def _products_pass(products: list[tuple[int, int, int]], dtype: torch.dtype,
     def run() -> None:
         for x, w in pairs:
             torch.mm(x, w)
-    return partial(run)
+    return run
 
 
 def _minibatch(n: int, device: torch.device, generator: torch.Generator) -> Batch:
@@ -136,6 +137,24 @@ def _steps(n: int, device: torch.device, cfg: PPOConfig
     return steps
 
 
+def _interleaved(calls: dict, device: torch.device, rounds: int) -> dict[object, list[float]]:
+    """Seconds of each of ``calls`` ({key: no-argument callable}), each called twice first
+    (compiles, first allocations), then ``rounds`` rounds that call each once, in order."""
+    for call in calls.values():
+        call(), call()
+    times: dict = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, call in calls.items():
+            times[key].append(timed(call, device)[0])
+    return times
+
+
+def _spread_ms(found: list[float]) -> dict:
+    """Median, min, max and every sample of ``found`` (seconds), in milliseconds."""
+    return {"median_ms": 1e3 * statistics.median(found), "min_ms": 1e3 * min(found),
+            "max_ms": 1e3 * max(found), "samples_ms": [1e3 * t for t in found]}
+
+
 def bench_update(device: torch.device, sizes: list[tuple[int, int]], rounds: int = 5) -> dict:
     """Each (minibatch, threads) of ``sizes``: every variant warmed up (compiled; twice),
     then timed ``rounds`` times, the variants interleaved in each round; then the floors
@@ -153,43 +172,25 @@ def bench_update(device: torch.device, sizes: list[tuple[int, int]], rounds: int
         for n, threads in sizes:
             if device.type == "cpu":
                 torch.set_num_threads(threads)
-            steps = _steps(n, device, cfg)
-            for step in steps.values():
-                step(), step()
-            times: dict = {key: [] for key in steps}
-            for _ in range(rounds):
-                for key, step in steps.items():
-                    times[key].append(timed(step, device)[0])
+            times = _interleaved(_steps(n, device, cfg), device, rounds)
             torch.compiler.reset()
-            passes = {(form, prec): _products_pass(products, PEAK_DTYPES[prec], device)
-                      for form, products in model_products(n).items()
-                      for prec in ("fp32", "bf16")}
-            for run in passes.values():
-                run(), run()
-            floor_times: dict = {key: [] for key in passes}
-            for _ in range(rounds):
-                for key, run in passes.items():
-                    floor_times[key].append(timed(run, device)[0])
-            del passes
+            floor_times = _interleaved(
+                {(form, prec): _products_pass(products, PEAK_DTYPES[prec], device)
+                 for form, products in model_products(n).items() for prec in ("fp32", "bf16")},
+                device, rounds)
             peaks = {prec: matmul_peak_flops(device, dtype=PEAK_DTYPES[prec])["peak_flops"]
                      for prec in ("fp32", "bf16")}
+            size = {"minibatch": n, "threads": threads if device.type == "cpu" else None}
             for (form, prec), found in floor_times.items():
-                median = statistics.median(found)
-                floors.append({"minibatch": n, "threads": threads if device.type == "cpu"
-                               else None, "formulation": form, "precision": prec,
-                               "median_ms": 1e3 * median, "min_ms": 1e3 * min(found),
-                               "max_ms": 1e3 * max(found),
-                               "samples_ms": [1e3 * t for t in found],
-                               "model_flops": train_flops * n, "peak_flops": peaks[prec],
-                               "max_frac_of_peak": train_flops * n / median / peaks[prec]})
+                floors.append({**size, "formulation": form, "precision": prec,
+                               **_spread_ms(found), "model_flops": train_flops * n,
+                               "peak_flops": peaks[prec], "max_frac_of_peak":
+                               train_flops * n / statistics.median(found) / peaks[prec]})
             reference = statistics.median(times[VARIANTS[0]])
             for (ex, prec, math), found in times.items():
                 median = statistics.median(found)
-                rows.append({"minibatch": n, "threads": threads if device.type == "cpu"
-                             else None, "executor": ex, "precision": prec, "conv_math": math,
-                             "median_ms": 1e3 * median, "min_ms": 1e3 * min(found),
-                             "max_ms": 1e3 * max(found), "samples_ms": [1e3 * t for t in found],
-                             "x_eager_fp32": reference / median,
+                rows.append({**size, "executor": ex, "precision": prec, "conv_math": math,
+                             **_spread_ms(found), "x_eager_fp32": reference / median,
                              "model_flops": train_flops * n, "peak_flops": peaks[prec],
                              "frac_of_peak": train_flops * n / median / peaks[prec]})
     finally:
