@@ -238,10 +238,13 @@ PARTS = tuple(PART_PHASE)
 #: measured at start-up. The CPU's is read from ``results/ladder_cpu_train.json``, the ladder
 #: at ``train``'s own N and T (``RunConfig``'s defaults): no stage there is measurably faster
 #: (ranges that overlap tie), and of the tied it is the fastest that starts without compiling.
+#: There stage 7 is measurably faster than every other (its slowest iteration's rate above
+#: their fastest), so it is the CPU's default: it compiles its update and times its choices
+#: before the first iteration.
 #: CUDA's is ``results/ladder_cuda_full.json``'s (an H200), which needs bf16: on a GPU without
 #: it the default is :data:`REFERENCE_STAGE`, the last rung that runs on every GPU
 #: (:func:`default_stage`).
-DEFAULT_STAGE: dict[str, str] = {"cpu": "batched_ops", "cuda": "cuda_graphs"}
+DEFAULT_STAGE: dict[str, str] = {"cpu": "fused_amp", "cuda": "cuda_graphs"}
 
 
 #: The last rung that runs on every device: what the doctor diagnoses when told nothing, and
