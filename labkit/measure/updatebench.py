@@ -11,8 +11,9 @@ Beside them, the update's floor: the model's matrix products alone, the forward'
 backward's, with nothing else between them (no loss, no elementwise op, no optimizer), in
 each precision, with the convolutions as the dense matmuls of ``conv_math`` "matmul" and as
 im2col products (the convolutions' own multiply-adds, the unfolding itself not timed). The
-share of the peak the model's FLOPs would reach in that time is the most any variant of the
-update can reach at that size on that device (:data:`FORMULATIONS`).
+share of the peak the model's FLOPs would reach in that time is the most a variant that runs
+those products can reach at that size on that device (:data:`FORMULATIONS`; a convolution
+kernel that is no matrix product, a Winograd one say, is not bounded by it).
 """
 from __future__ import annotations
 
@@ -213,5 +214,5 @@ def format_table(result: dict) -> str:
            "the update's floor: the model's matrix products alone (forward, and backward but "
            "the observations' gradient), nothing between them, the convolutions as dense "
            "matmuls or as im2col products (the unfolding not timed); % peak at most: the "
-           "model's FLOPs in that time, the most any variant above can reach"]
+           "model's FLOPs in that time, the most a variant running those products can reach"]
           if result.get("floors") else [])])
