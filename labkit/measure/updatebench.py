@@ -162,17 +162,19 @@ def bench_update(device: torch.device, sizes: list[tuple[int, int]], rounds: int
     (``result["floors"]``: the model's products alone, per formulation and precision) the
     same way; and a large matmul timed in each precision
     (:func:`labkit.measure.bench.matmul_peak_flops`). Threads are set on the CPU only (and
-    restored). After each size ``torch.compiler.reset()`` drops the compiles it made: each
-    size, precision, convolution math and set of compile options is another cache entry of
-    the one code object dynamo keeps them on for every compiled ``partial``, and past its
-    recompile limit (8) the next ``fullgraph`` compile of the loss in the process (a stage's)
-    failed."""
+    restored). Before and after each size ``torch.compiler.reset()`` drops the compiles made
+    in the process: each size, precision, convolution math and set of compile options is
+    another cache entry of the one code object dynamo keeps them on for every compiled
+    ``partial``, and past its recompile limit (8) the next ``fullgraph`` compile of the loss
+    failed (after a stage's compiles in the same process, this command's own; after this
+    command's, a stage's)."""
     rows, floors, cfg, saved = [], [], PPOConfig(), torch.get_num_threads()
     train_flops = flops_per_sample()["train"]
     try:
         for n, threads in sizes:
             if device.type == "cpu":
                 torch.set_num_threads(threads)
+            torch.compiler.reset()  # what earlier compiles in the process left on that object
             times = _interleaved(_steps(n, device, cfg), device, rounds)
             torch.compiler.reset()
             floor_times = _interleaved(
