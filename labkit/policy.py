@@ -321,7 +321,7 @@ class ConvBody(nn.Sequential):
     def dense(self, i: int) -> torch.Tensor:
         """Convolution ``i``'s (1 or 2) weight as the (C*H*W, O*H'*W') matrix of
         :attr:`conv_math` "matmul"."""
-        conv = self[0] if i == 1 else self[2]
+        conv, _ = self._convs()[i - 1]
         return Placed.apply(conv.weight, getattr(self, f"_place{i}"),
                             getattr(self, f"_taken{i}"))
 
