@@ -7,13 +7,14 @@ the min-max spread, and the model work per second as a share of a large matmul's
 variant's dtype, measured at the size's thread count. What decides, on a given CPU, whether
 compile, bf16 and the matmul convolutions pay: ``python -m labkit bench-update``.
 
-Beside them, the update's floor: the model's matrix products alone, the forward's and the
-backward's, with nothing else between them (no loss, no elementwise op, no optimizer), in
-each precision, with the convolutions as the dense matmuls of ``conv_math`` "matmul" and as
-im2col products (the convolutions' own multiply-adds, the unfolding itself not timed). The
-share of the peak the model's FLOPs would reach in that time is the most a variant that runs
-those products can reach at that size on that device (:data:`FORMULATIONS`; a convolution
-kernel that is no matrix product, a Winograd one say, is not bounded by it).
+Beside them, the update's floor: what every minibatch step must do and nothing else, the
+model's matrix products (the forward's and the backward's, no loss, no elementwise op between
+them) and one step of the optimizer, fused Adam after the fused grad clip as stage 7 runs
+them (:class:`labkit.update.FusedAdam`), in each precision, with the convolutions laid out as
+matrix products in each of :data:`FORMULATIONS`' three ways (the unfolding itself not timed).
+The share of the peak the model's FLOPs would reach in that time is the most a variant that
+runs those products can reach at that size on that device (a convolution kernel that is no
+matrix product, a Winograd one say, is not bounded by it).
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ TABLE = tables.Table((
 FLOOR_TABLE = tables.Table((
     tables.Column("minibatch", "minibatch", lambda r: f"{r['minibatch']:,}", 9),
     tables.Column("threads", "threads", lambda r: str(r["threads"] or "-"), 7),
-    tables.Column("products", "the model's products", lambda r: f"{r['formulation']} "
+    tables.Column("products", "the model's products, then the optimizer's step", lambda r: f"{r['formulation']} "
                   f"{r['precision']}", 25, left=True),
     tables.Column("median ms", "median ms", lambda r: f"{r['median_ms']:.1f}", 9),
     tables.Column("min", "min ms", lambda r: f"{r['min_ms']:.1f}", 7),
@@ -65,28 +66,36 @@ FLOOR_TABLE = tables.Table((
     tables.Column("% peak at most", "% of matmul peak at most",
                   lambda r: f"{100 * r['max_frac_of_peak']:.1f}", 14),
 ))
-#: The two ways the floor lays out the model's convolutions as matrix products.
-FORMULATIONS = ("matmul", "im2col")
+#: The three ways the floor lays out the model's convolutions as matrix products.
+FORMULATIONS = ("matmul", "im2col", "rows")
 
 
 def model_products(n: int, view: int = 7) -> dict[str, list[tuple[int, int, int]]]:
     """The forward's matrix products of the reference conv agent on ``n`` observations, (M, K,
-    N) each, in :data:`FORMULATIONS`' two ways: the convolutions as the dense matmuls of
-    ``conv_math`` "matmul" ((n, C*V*V) by (C*V*V, O*V'*V')) or as im2col products ((n*V'*V',
-    C*9) by (C*9, O): exactly the convolutions' multiply-adds); then the linear layer and the
-    two heads as one product."""
+    N) each, in :data:`FORMULATIONS`' three ways, a convolution of a C x V x V input into O x
+    V' x V' (V' = V - 2) as:
+
+    * "matmul": the dense matmul of ``conv_math`` "matmul", (n, C*V*V) by (C*V*V, O*V'*V');
+    * "im2col": (n*V'*V', C*9) by (C*9, O), exactly the convolution's multiply-adds;
+    * "rows": each output row from the 3 input rows under it, (n*V', C*3*V) by (C*3*V, O*V'),
+      the weight laid out as a banded matrix: fewer zeros than "matmul", wider than "im2col";
+
+    then the linear layer and the two heads as one product."""
     s1, s2 = view - 2, view - 4
     tail = [(n, 32 * s2 * s2, HIDDEN), (n, HIDDEN, N_ACTIONS + 1)]
     return {"matmul": [(n, N_CHANNELS * view * view, 16 * s1 * s1),
                        (n, 16 * s1 * s1, 32 * s2 * s2)] + tail,
-            "im2col": [(n * s1 * s1, N_CHANNELS * 9, 16), (n * s2 * s2, 16 * 9, 32)] + tail}
+            "im2col": [(n * s1 * s1, N_CHANNELS * 9, 16), (n * s2 * s2, 16 * 9, 32)] + tail,
+            "rows": [(n * s1, N_CHANNELS * 3 * view, 16 * s1),
+                     (n * s2, 16 * 3 * s1, 32 * s2)] + tail}
 
 
 def _products_pass(products: list[tuple[int, int, int]], dtype: torch.dtype,
-                   device: torch.device) -> Callable[[], None]:
+                   device: torch.device, then: Callable[[], object] = lambda: None
+                   ) -> Callable[[], None]:
     """One forward and backward pass's products, as one call: per layer the forward (M, K) @
     (K, N), the input's gradient (M, N) @ (N, K) (not the first layer's: the observations
-    need none) and the weight's (K, M) @ (M, N), on operands made once."""
+    need none) and the weight's (K, M) @ (M, N), on operands made once; then ``then()``."""
     pairs = []
     for i, (m, k, n) in enumerate(products):
         for a, b, c in [(m, k, n)] + ([(m, n, k)] if i else []) + [(k, m, n)]:
@@ -96,7 +105,24 @@ def _products_pass(products: list[tuple[int, int, int]], dtype: torch.dtype,
     def run() -> None:
         for x, w in pairs:
             torch.mm(x, w)
+        then()
     return run
+
+
+def _optimizer_step(device: torch.device, cfg: PPOConfig) -> Callable[[], None]:
+    """One step of stage 7's optimizer on the reference agent's parameters, their gradients
+    set once: :class:`labkit.update.FusedAdam` after its fused grad clip."""
+    from ..update import FusedAdam
+
+    params = list(Agent().to(device).parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = FusedAdam()(params, cfg, device)
+
+    def step() -> None:
+        FusedAdam.clip_grad(params, cfg.max_grad_norm)
+        optimizer.step()
+    return step
 
 
 def _minibatch(n: int, device: torch.device, generator: torch.Generator) -> Batch:
@@ -159,8 +185,8 @@ def _spread_ms(found: list[float]) -> dict:
 def bench_update(device: torch.device, sizes: list[tuple[int, int]], rounds: int = 5) -> dict:
     """Each (minibatch, threads) of ``sizes``: every variant warmed up (compiled; twice),
     then timed ``rounds`` times, the variants interleaved in each round; then the floors
-    (``result["floors"]``: the model's products alone, per formulation and precision) the
-    same way; and a large matmul timed in each precision
+    (``result["floors"]``: the model's products and the fused optimizer step, per formulation
+    and precision) the same way; and a large matmul timed in each precision
     (:func:`labkit.measure.bench.matmul_peak_flops`). Threads are set on the CPU only (and
     restored). Before and after each size ``torch.compiler.reset()`` drops the compiles made
     in the process: each size, precision, convolution math and set of compile options is
@@ -177,8 +203,9 @@ def bench_update(device: torch.device, sizes: list[tuple[int, int]], rounds: int
             torch.compiler.reset()  # what earlier compiles in the process left on that object
             times = _interleaved(_steps(n, device, cfg), device, rounds)
             torch.compiler.reset()
+            step = _optimizer_step(device, cfg)
             floor_times = _interleaved(
-                {(form, prec): _products_pass(products, PEAK_DTYPES[prec], device)
+                {(form, prec): _products_pass(products, PEAK_DTYPES[prec], device, step)
                  for form, products in model_products(n).items() for prec in ("fp32", "bf16")},
                 device, rounds)
             peaks = {prec: matmul_peak_flops(device, dtype=PEAK_DTYPES[prec])["peak_flops"]
@@ -213,8 +240,9 @@ def format_table(result: dict) -> str:
         "labkit.policy.flops_per_sample; not the zeros the matmul convolutions also multiply) "
         "per second over a large matmul's in the row's dtype, on the row's threads", "",
         *([FLOOR_TABLE.text(result["floors"]),
-           "the update's floor: the model's matrix products alone (forward, and backward but "
-           "the observations' gradient), nothing between them, the convolutions as dense "
-           "matmuls or as im2col products (the unfolding not timed); % peak at most: the "
-           "model's FLOPs in that time, the most a variant running those products can reach"]
+           "the update's floor: the model's matrix products (forward, and backward but the "
+           "observations' gradient), nothing between them, then the fused grad clip and fused "
+           "Adam step; the convolutions as dense matmuls, im2col products or row-banded "
+           "products (the unfolding not timed); % peak at most: the model's FLOPs in that "
+           "time, the most a variant running those products can reach"]
           if result.get("floors") else [])])
