@@ -233,18 +233,20 @@ STAGE_NAMES = tuple(s.name for s in STAGES)
 #: The two parts of an iteration whose model math a stage may choose how to run.
 PARTS = tuple(PART_PHASE)
 
-#: The stage a run uses when none is named, by device type: the fastest on that device in its
-#: recorded ladder (``results/ladder_<device>_*.json``; a test holds this to those files), not
-#: measured at start-up. The CPU's is read from ``results/ladder_cpu_train.json``, the ladder
-#: at ``train``'s own N and T (``RunConfig``'s defaults): no stage there is measurably faster
-#: (ranges that overlap tie), and of the tied it is the fastest that starts without compiling.
-#: There stage 7 is measurably faster than every other (its slowest iteration's rate above
-#: their fastest), so it is the CPU's default: it compiles its update and times its choices
-#: before the first iteration.
+#: The stage a run uses when none is named, by device type: the one that trains ``train``'s
+#: default run soonest on that device by its recorded ladder (``results/ladder_<device>_*.json``;
+#: a test holds this to those files), not measured at start-up. The CPU's is read from
+#: ``results/ladder_cpu_train.json``, the ladder at ``train``'s own N and T (``RunConfig``'s
+#: defaults), counting what a run spends before its first iteration (the ladder's ``warmup_s``
+#: and ``choose_s``) as well as its rate over ``TrainConfig``'s total steps: no stage there is
+#: measurably sooner (ranges that overlap tie), and of the tied it is the fastest that starts
+#: without compiling. Stage 7 runs more steps a second there, but compiles its update and times
+#: its choices first, and over the default 500k steps that start costs about what its rate
+#: saves (more in a fresh process with an empty compile cache: the README has both measured).
 #: CUDA's is ``results/ladder_cuda_full.json``'s (an H200), which needs bf16: on a GPU without
 #: it the default is :data:`REFERENCE_STAGE`, the last rung that runs on every GPU
 #: (:func:`default_stage`).
-DEFAULT_STAGE: dict[str, str] = {"cpu": "fused_amp", "cuda": "cuda_graphs"}
+DEFAULT_STAGE: dict[str, str] = {"cpu": "numpy_vec", "cuda": "cuda_graphs"}
 
 
 #: The last rung that runs on every device: what the doctor diagnoses when told nothing, and

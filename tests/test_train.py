@@ -146,9 +146,29 @@ def test_cli_trains_and_writes_metrics_checkpoint_and_summary(capsys, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 384 and summary["complete"]
     assert summary["config"]["stage"] == "batched_ops"
+    assert f"after a {summary['setup_s']:.1f} s set-up" in stdout
     saved = checkpoint.load(out / "checkpoint.pt")
     assert saved["state"]["iteration"] == 3
     assert saved["state"]["global_step"] == 384
+
+
+def test_the_summary_counts_the_set_up_apart_from_training(monkeypatch, tmp_path):
+    """What a run spends before its first iteration (building the pipeline; for a stage that
+    compiles, compiling and timing its choices) is the summary's ``setup_s``, not part of
+    ``wall_s``, whose rate it would otherwise understate."""
+    import time
+
+    import labkit.app.train as train_module
+
+    build = train_module.build_pipeline
+
+    def slow_build(*args, **kwargs):
+        time.sleep(0.5)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "build_pipeline", slow_build)
+    summary = train(small_config(), tmp_path / "run", progress=False)
+    assert summary["setup_s"] >= 0.5
 
 
 def test_train_refuses_to_overwrite_a_run(reference_run):
@@ -362,7 +382,7 @@ def test_missing_or_corrupt_checkpoint_errors_name_the_path(tmp_path, reference_
 # sits 2.4+ below the worst of three seeds, the margin a different CPU's float rounding needs;
 # 204800 steps gave 14.6-15.9 (too close), N=64 x T=128 reached only 12.6 after 410k steps
 # (fewer updates per step). 128 iterations take ~35 s at ~7.5-8.5k steps/s on 2 idle cores.
-# Stage 4 (async_logging) runs the same PPO math as the default fused_amp without the minute
+# Stage 4 (async_logging) runs the same PPO math as stage 7 (fused_amp) without the minute
 # torch.compile needs on a CPU (fused_amp on seed 1: see the report).
 @pytest.mark.slow
 def test_training_reaches_half_the_oracle_on_cpu(tmp_path):

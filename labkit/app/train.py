@@ -221,7 +221,7 @@ class _Session:
         self.board: AsyncLogger | None = None
         self.lock: FolderLock | None = None  # the run folder's, checked before each save
         self.first_iter_s: float | None = None
-        self.t_start = self.session_s = 0.0
+        self.t_start = self.session_s = self.setup_s = 0.0
 
     def open_logs(self, resources: contextlib.ExitStack, out: Path,
                   tensorboard: str | Path | None) -> None:
@@ -359,6 +359,7 @@ class _Session:
             "steady_steps_per_s": ((ran - 1) * spi / (session_s - self.first_iter_s)
                                    if ran > 1 else math.nan),
             "first_iteration_s": self.first_iter_s,
+            "setup_s": self.setup_s,
             "config": self.cfg.to_dict(),
         }
 
@@ -431,6 +432,7 @@ def _run(run: Run, progress: bool, stop_after: int | None,
     cfg, group, start = run.cfg, run.group, run.start
     end = cfg.n_iterations if stop_after is None else max(start, min(stop_after,
                                                                      cfg.n_iterations))
+    t_setup = time.perf_counter()
     with contextlib.ExitStack() as resources:
         pipe = resources.enter_context(build_pipeline(cfg, run.device, group))
         if run.saved is not None:
@@ -448,6 +450,7 @@ def _run(run: Run, progress: bool, stop_after: int | None,
         if progress and group.is_main:
             bar.write(start_line(cfg, pipe))
         session.t_start = time.perf_counter()
+        session.setup_s = session.t_start - t_setup
         try:
             for it in range(start, end):
                 t0 = time.perf_counter()
