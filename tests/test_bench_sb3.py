@@ -10,7 +10,7 @@ import torch
 from labkit.app.cli import main
 from labkit.config import RunConfig
 from labkit.envs import ForageNumpy, ForageSpec, ForageTorch
-from labkit.stages import DEFAULT_STAGE, get_stage
+from labkit.stages import REFERENCE_STAGE, get_stage
 
 
 def _needs_sb3():
@@ -68,6 +68,6 @@ def test_the_comparison_is_timed_interleaved_and_written(tmp_path, capsys):
     assert labkit["x_sb3"] == pytest.approx(labkit["sps"] / sb3["sps"])
     assert torch.get_num_threads() != 1 or os.cpu_count() == 1  # restored after
     out = capsys.readouterr().out
-    env = get_stage(DEFAULT_STAGE["cpu"]).env.__name__  # the default stage's own envs
-    assert result["stage"] == DEFAULT_STAGE["cpu"] and result["env"] == env
+    env = get_stage(REFERENCE_STAGE).env.__name__  # the default stage's own envs
+    assert result["stage"] == REFERENCE_STAGE and result["env"] == env
     assert f"same work: {env} x 8 envs" in out

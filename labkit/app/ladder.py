@@ -143,18 +143,19 @@ def bench_update(device: torch.device, out: str | Path, *, sizes: list[tuple[int
 
 def bench_sb3(cfg, out: str | Path, *, stage: str | None, iterations: int, rounds: int,
               threads: int | None) -> int:
-    """labkit's ``stage`` (default: the CPU's default stage) against SB3's PPO on the same
-    work; print the table and write ``bench_sb3_cpu.json`` in ``out``."""
+    """labkit's ``stage`` (default: the production stage, :data:`labkit.stages.REFERENCE_STAGE`)
+    against SB3's PPO on the same work; print the table and write ``bench_sb3_cpu.json`` in
+    ``out``."""
     from ..measure.sb3bench import bench_sb3 as measure
     from ..measure.sb3bench import format_table
-    from ..stages import default_stage
+    from ..stages import REFERENCE_STAGE
 
     try:
         import stable_baselines3  # noqa: F401
     except ImportError:
         raise ValueError("bench-sb3 needs Stable-Baselines3: pip install -e '.[sb3]'") from None
     path = _free_file(check_output_dir(out) / "bench_sb3_cpu.json")
-    result = measure(cfg, stage or default_stage(torch.device("cpu")), iterations=iterations,
+    result = measure(cfg, stage or REFERENCE_STAGE, iterations=iterations,
                      rounds=rounds, threads=threads)
     _print_and_write(format_table(result), path, result)
     return 0
@@ -287,8 +288,8 @@ def _add_bench_sb3(sub) -> None:
     p = sub.add_parser("bench-sb3", help="labkit's stage against Stable-Baselines3's PPO on "
                                          "the same envs, network and hyperparameters (CPU)")
     p.add_argument("--stage", type=stage, default=None,
-                   help="the labkit stage (default: the CPU's default stage, the fastest of "
-                        "its recorded ladder)")
+                   help="the labkit stage (default: stage 7, fused_amp, the production stage "
+                        "and the fastest of the recorded CPU ladders at N=256)")
     p.add_argument("--n-envs", type=positive_int, default=256, help="N (default: %(default)s)")
     p.add_argument("--n-steps", type=positive_int, default=64, help="T (default: %(default)s)")
     p.add_argument("--iterations", type=positive_int, default=3,

@@ -73,8 +73,9 @@ class TrainConfig:
     ``n_iterations``: the LR anneals to 0 over the whole run."""
     stage: str | None = None
     """Ladder stage whose pipeline trains (0-8 or a name; stages 0-2 are slow on purpose,
-    cuda_graphs needs a bf16 GPU). None: the fastest on the run's device by the recorded
-    ladder (``labkit.stages.DEFAULT_STAGE``), settled when the run opens."""
+    cuda_graphs needs a bf16 GPU). None: the run's device's default by its recorded ladder
+    (``labkit.stages.DEFAULT_STAGE``: on the CPU the stage that finishes the default run first,
+    set-up counted; on CUDA the fastest), settled when the run opens."""
     device: str = "auto"
     """auto (CUDA if present), cpu, cuda or cuda:N."""
     total_steps: int = 500_000

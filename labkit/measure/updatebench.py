@@ -58,8 +58,8 @@ TABLE = tables.Table((
 FLOOR_TABLE = tables.Table((
     tables.Column("minibatch", "minibatch", lambda r: f"{r['minibatch']:,}", 9),
     tables.Column("threads", "threads", lambda r: str(r["threads"] or "-"), 7),
-    tables.Column("products", "the model's products, then the optimizer's step", lambda r: f"{r['formulation']} "
-                  f"{r['precision']}", 25, left=True),
+    tables.Column("products", "the model's products, then the optimizer's step",
+                  lambda r: f"{r['formulation']} {r['precision']}", 25, left=True),
     tables.Column("median ms", "median ms", lambda r: f"{r['median_ms']:.1f}", 9),
     tables.Column("min", "min ms", lambda r: f"{r['min_ms']:.1f}", 7),
     tables.Column("max", "max ms", lambda r: f"{r['max_ms']:.1f}", 7),
