@@ -9,9 +9,20 @@ from labkit.measure.updatebench import CPU_VARIANTS, FORMULATIONS, VARIANTS, mod
 
 
 @pytest.mark.slow
-def test_every_variant_is_timed_at_every_size_and_written(tmp_path, capsys):
+def test_every_variant_is_timed_at_every_size_and_written(tmp_path, capsys, monkeypatch):
+    from labkit.measure import updatebench
+
+    made, stepped = updatebench._optimizer_step, []
+
+    def counted(*args):
+        step = made(*args)
+        return lambda: (stepped.append(1), step())
+
+    monkeypatch.setattr(updatebench, "_optimizer_step", counted)
     assert main(["bench-update", "--device", "cpu", "--sizes", "64:1", "128", "--rounds", "2",
                  "--out", str(tmp_path)]) == 0
+    # every floor's call ends with the optimizer's step: 2 sizes x 6 floors x (2 warm + 2 timed)
+    assert len(stepped) == 2 * 2 * len(FORMULATIONS) * (2 + 2)
     result = json.loads((tmp_path / "bench_update_cpu.json").read_text())
     rows = result["rows"]
     assert [(r["minibatch"], r["executor"], r["precision"], r["conv_math"]) for r in rows] == [
@@ -28,7 +39,8 @@ def test_every_variant_is_timed_at_every_size_and_written(tmp_path, capsys):
         assert r["frac_of_peak"] == pytest.approx(
             r["model_flops"] / (r["median_ms"] / 1e3) / r["peak_flops"])
         assert 0 < r["frac_of_peak"] and r["peak_flops"] > 1e9
-    # the floors: the model's products alone, per formulation and precision, after the rows
+    # the floors: the model's products, then the fused optimizer step, per formulation and
+    # precision, after the rows
     floors = result["floors"]
     assert [(r["minibatch"], r["formulation"], r["precision"]) for r in floors] == [
         (n, form, prec) for n in (64, 128) for form in FORMULATIONS for prec in ("fp32", "bf16")]
@@ -132,12 +144,17 @@ def test_the_floor_ends_with_stage_7s_optimizer_step():
     from labkit.measure.updatebench import _optimizer_step, _products_pass
     from labkit.ppo import PPOConfig
 
-    step = _optimizer_step(torch.device("cpu"), PPOConfig())
+    cfg = PPOConfig()
+    step = _optimizer_step(torch.device("cpu"), cfg)
     (optimizer,) = {cell.cell_contents for cell in step.__closure__
                     if isinstance(cell.cell_contents, torch.optim.Adam)}
     params = optimizer.param_groups[0]["params"]
     before = [p.detach().clone() for p in params]
+    assert torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) > 10 * (
+        cfg.max_grad_norm)  # random gradients, far above the clip
     _products_pass([(4, 3, 2)], torch.float32, torch.device("cpu"), step)()
     assert optimizer.defaults["fused"] and all(
         int(optimizer.state[p]["step"]) == 1 for p in params)
     assert all(not torch.equal(p, b) for p, b in zip(params, before))
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    assert clipped == pytest.approx(cfg.max_grad_norm, rel=1e-4)  # clipped before the step

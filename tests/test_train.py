@@ -146,16 +146,17 @@ def test_cli_trains_and_writes_metrics_checkpoint_and_summary(capsys, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 384 and summary["complete"]
     assert summary["config"]["stage"] == "batched_ops"
-    assert f"after a {summary['setup_s']:.1f} s set-up" in stdout
+    assert f"after this session's {summary['setup_s']:.1f} s set-up" in stdout
     saved = checkpoint.load(out / "checkpoint.pt")
     assert saved["state"]["iteration"] == 3
     assert saved["state"]["global_step"] == 384
 
 
 def test_the_summary_counts_the_set_up_apart_from_training(monkeypatch, tmp_path):
-    """What a run spends before its first iteration (building the pipeline; for a stage that
-    compiles, compiling and timing its choices) is the summary's ``setup_s``, not part of
-    ``wall_s``, whose rate it would otherwise understate."""
+    """What a session spends before its first iteration (building the pipeline; for a stage
+    that chooses, compiling and timing its choices) is the summary's ``setup_s``, apart from
+    the training time ``wall_s``, whose rate it would otherwise understate; a resumed session
+    counts its own."""
     import time
 
     import labkit.app.train as train_module
@@ -167,8 +168,27 @@ def test_the_summary_counts_the_set_up_apart_from_training(monkeypatch, tmp_path
         return build(*args, **kwargs)
 
     monkeypatch.setattr(train_module, "build_pipeline", slow_build)
-    summary = train(small_config(), tmp_path / "run", progress=False)
-    assert summary["setup_s"] >= 0.5
+    out = tmp_path / "run"
+    start = time.perf_counter()
+    first = train(small_config(), out, progress=False, stop_after=1)
+    elapsed = time.perf_counter() - start
+    assert 0.5 <= first["setup_s"] and first["setup_s"] + first["wall_s"] <= elapsed
+    start = time.perf_counter()
+    resumed = train(None, out, resume=True, progress=False)  # wall_s: both sessions' training
+    assert resumed["complete"] and 0.5 <= resumed["setup_s"] < time.perf_counter() - start
+
+
+def test_a_resume_told_to_stop_where_it_already_is_is_refused(tmp_path, capsys):
+    """--stop-after at or before the checkpoint's iteration has nothing to train: one line and
+    exit 2, the run untouched (it said the unfinished run "was complete" before)."""
+    out = tmp_path / "run"
+    train(small_config(), out, progress=False, stop_after=2)
+    saved = [(out / name).read_bytes() for name in ("checkpoint.pt", "summary.json")]
+    assert main(["train", "--resume", str(out), "--stop-after", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "stop_after (2)" in err and "(2 of 6)" in err, err
+    assert [(out / name).read_bytes() for name in ("checkpoint.pt", "summary.json")] == saved
+    assert main(["train", "--resume", str(out), "--stop-after", "3", "--no-progress"]) == 0
 
 
 def test_train_refuses_to_overwrite_a_run(reference_run):

@@ -77,8 +77,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                         in (s.get("executor_choices") or {}).items())
               + "".join(f"{part} convolutions {made['kept']}, " for part, made
                         in (s.get("conv_choices") or {}).items())
-              + f"{s['threads']} CPU thread(s)) in {s['wall_s']:.0f} s after a "
-              f"{s['setup_s']:.1f} s set-up: "
+              + f"{s['threads']} CPU thread(s)) in {s['wall_s']:.0f} s, after this "
+              f"session's {s['setup_s']:.1f} s set-up: "
               f"final mean return {_num(s['final_mean_return'], '.2f')}, "
               f"{_num(s['steps_per_s'], ',.0f')} steps/s this session"
               + (f" over {s['world_size']} processes" if s["world_size"] > 1 else "")

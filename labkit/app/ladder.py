@@ -285,10 +285,12 @@ def _add_bench_update(sub) -> None:
 
 
 def _add_bench_sb3(sub) -> None:
+    from ..stages import REFERENCE_STAGE
+
     p = sub.add_parser("bench-sb3", help="labkit's stage against Stable-Baselines3's PPO on "
                                          "the same envs, network and hyperparameters (CPU)")
     p.add_argument("--stage", type=stage, default=None,
-                   help="the labkit stage (default: stage 7, fused_amp, the production stage "
+                   help=f"the labkit stage (default: {REFERENCE_STAGE}, the production stage "
                         "and the fastest of the recorded CPU ladders at N=256)")
     p.add_argument("--n-envs", type=positive_int, default=256, help="N (default: %(default)s)")
     p.add_argument("--n-steps", type=positive_int, default=64, help="T (default: %(default)s)")

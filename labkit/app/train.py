@@ -430,6 +430,9 @@ def _run(run: Run, progress: bool, stop_after: int | None,
     from tqdm.auto import tqdm
 
     cfg, group, start = run.cfg, run.group, run.start
+    if stop_after is not None and stop_after <= start < cfg.n_iterations:
+        raise ValueError(f"stop_after ({stop_after}) must be after the iteration the run "
+                         f"resumes from ({start} of {cfg.n_iterations}): nothing to train")
     end = cfg.n_iterations if stop_after is None else max(start, min(stop_after,
                                                                      cfg.n_iterations))
     t_setup = time.perf_counter()
