@@ -233,18 +233,19 @@ STAGE_NAMES = tuple(s.name for s in STAGES)
 #: The two parts of an iteration whose model math a stage may choose how to run.
 PARTS = tuple(PART_PHASE)
 
-#: The stage a run uses when none is named, by device type: the one that trains ``train``'s
-#: default run soonest on that device by its recorded ladder (``results/ladder_<device>_*.json``;
-#: a test holds this to those files), not measured at start-up. The CPU's is read from
-#: ``results/ladder_cpu_train.json``, the ladder at ``train``'s own N and T (``RunConfig``'s
-#: defaults), counting what a run spends before its first iteration (the ladder's ``warmup_s``
-#: and ``choose_s``) as well as its rate over ``TrainConfig``'s total steps: no stage there is
-#: measurably sooner (ranges that overlap tie), and of the tied it is the fastest that starts
-#: without compiling. Stage 7 runs more steps a second there, but compiles its update and times
-#: its choices first, and over the default 500k steps that start costs about what its rate
-#: saves (more in a fresh process with an empty compile cache: the README has both measured).
-#: CUDA's is ``results/ladder_cuda_full.json``'s (an H200), which needs bf16: on a GPU without
-#: it the default is :data:`REFERENCE_STAGE`, the last rung that runs on every GPU
+#: The stage a run uses when none is named, by device type, from what is recorded in
+#: ``results/`` (tests hold this to those files), not measured at start-up.
+#: The CPU's is the one that finishes ``train``'s default run soonest, counting what a run
+#: spends before its first iteration as well as its rate over ``TrainConfig``'s total steps:
+#: in ``results/ladder_cpu_train.json`` (the ladder at ``RunConfig``'s N and T; the set-up is
+#: the row's ``warmup_s`` and ``choose_s``, measured in a process that had compiled before) no
+#: stage is measurably sooner (ranges that overlap tie) and of the tied it is the fastest that
+#: starts without compiling; timed as whole processes (``scripts/train_default_ab.py``:
+#: ``results/train_default_cpu.json``, and ``_fresh`` with an empty compile cache) it finished
+#: first. Stage 7 runs more steps a second, but compiles and times its choices first, and over
+#: the default 500k steps that costs more than its rate saves (the README has the figures).
+#: CUDA's is the fastest in ``results/ladder_cuda_full.json`` (an H200), which needs bf16: on a
+#: GPU without it the default is :data:`REFERENCE_STAGE`, the last rung that runs on every GPU
 #: (:func:`default_stage`).
 DEFAULT_STAGE: dict[str, str] = {"cpu": "numpy_vec", "cuda": "cuda_graphs"}
 
