@@ -1,4 +1,6 @@
-"""NumPy or torch: the measurements of chapter 04's crossover (labkit.measure.envbench)."""
+"""NumPy or torch: the measurements of chapter 04's crossover (labkit.measure.envcrossover),
+with the op census (labkit.measure.profiling) and the step timed by parts
+(labkit.measure.envbench)."""
 from __future__ import annotations
 
 import copy
@@ -8,22 +10,19 @@ import pytest
 import torch
 
 from labkit.envs import ForageNumpy, ForageSpec, ForageTorch
-from labkit.measure.envbench import (
+from labkit.measure.envbench import STEP_PARTS, _step_by_parts, step_parts
+from labkit.measure.envcrossover import (
     CROSSOVER_CASES,
-    STEP_PARTS,
-    _step_by_parts,
     calls_of,
     crossings,
     crossover,
     crossover_lines,
     numpy_calls,
-    op_census,
     out_of_phase_steps,
     state_at,
     step_ops,
-    step_parts,
 )
-from labkit.measure.profiling import dispatch_ops
+from labkit.measure.profiling import dispatch_ops, op_census
 
 
 def test_numpy_calls_counts_functions_and_methods_once_and_not_operators():
@@ -164,7 +163,7 @@ def test_the_skip_sentence_flips_with_the_data():
 
 
 def test_a_step_preempted_in_one_round_does_not_move_the_figure():
-    from labkit.measure.envbench import _per_step
+    from labkit.measure.envcrossover import _per_step
 
     # 3 rounds of 4 steps; the 4th step ends episodes (5 s); one round's 2nd step was preempted
     rounds = [[1.0, 9.0, 1.0, 5.0], [1.0, 1.0, 1.0, 5.0], [1.0, 1.0, 1.0, 5.0]]

@@ -1,4 +1,5 @@
-"""``torch.profiler`` made short: profile a few calls, read the top ops and op counts."""
+"""``torch.profiler`` made short: profile a few calls, read the top ops and op counts, and set
+the profiler's count of a call beside the ops it dispatches (``op_census``)."""
 from __future__ import annotations
 
 import errno
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ..device import synchronize
+from ..device import resolve_device, synchronize
 from ..files import atomic_write
 
 #: ``acc_events`` may be missing from the oldest torch labkit supports.
@@ -105,6 +106,48 @@ def dispatch_ops(fn: Callable[[], object]) -> Counter:
     with _Count():
         fn()
     return counts
+
+
+def op_census(fn: Callable[[], object], device: str | torch.device,
+              setup: Callable[[], object] | None = None) -> dict:
+    """One call of ``fn`` counted two ways, and how the counts relate (``setup`` runs,
+    uncounted, before each): ``profiler``, every aten event ``torch.profiler`` records
+    (:func:`op_counts`); ``dispatched``, the non-view ops :func:`dispatch_ops` counts (the
+    env bench's ops/step); ``views``, the profiler's events of ops whose schema may return an
+    alias of an input (``select``, ``unsqueeze``, ``as_strided``, ``to``); and
+    ``inside``, the rest of the profiler's events: calls made inside another op or by a
+    wrapper op (``empty``, ``copy_``, ``__xor__`` calling ``bitwise_xor``). ``covered``: every
+    dispatched op is among the profiler's events (so profiler = dispatched + views + inside).
+    Each count is a Counter by name; ``totals`` sums them."""
+    dev = resolve_device(device)
+    if setup:
+        setup()
+    events = op_counts(profile_calls(fn, dev))
+    if setup:
+        setup()
+    dispatched = dispatch_ops(fn)
+    views: Counter = Counter()
+    inside: Counter = Counter()
+    for name, count in events.items():
+        if _may_alias(name):
+            views[name] += count
+        else:
+            left = count - dispatched.get(name.removeprefix("aten::"), 0)
+            if left > 0:
+                inside[name] += left
+    covered = all(events.get(f"aten::{name}", 0) >= count for name, count in dispatched.items())
+    parts = {"profiler": events, "dispatched": dispatched, "views": views, "inside": inside}
+    return {**parts, "covered": covered,
+            "totals": {key: sum(c.values()) for key, c in parts.items()}}
+
+
+def _may_alias(name: str) -> bool:
+    """Does an overload of the aten op ``name`` (``aten::select``) return an alias?"""
+    packet = getattr(torch.ops.aten, name.removeprefix("aten::"), None)
+    try:
+        return packet is not None and any(getattr(packet, o).is_view for o in packet.overloads())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 #: Ops that launch no kernel: allocations, host reads, the profiler's own bookkeeping.
