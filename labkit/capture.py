@@ -90,12 +90,12 @@ def warmup(pipeline) -> float:
     return its seconds (synchronized). Compilation, graph capture and cuDNN autotuning happen
     here, and the timed iterations compute what an un-warmed run would. Then a stage that
     compiles only where it pays times eager against compiled, and its convolutions' two ways
-    (``pipeline.choose_executors``, also off the clock and undone); what it keeps may compute
+    (``pipeline.math.choose``, also off the clock and undone); what it keeps may compute
     within float rounding of the un-warmed run, not bit for bit."""
     saved = pipeline.state_dict()
     elapsed, _ = timed(pipeline.iteration, pipeline.device)
     pipeline.load_state_dict(saved)
-    pipeline.choose_executors()
+    pipeline.math.choose(pipeline)
     return elapsed
 
 

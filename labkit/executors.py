@@ -209,7 +209,7 @@ def choose_conv_math(pipeline: Any, body: Any, parts: Any, rounds: int = CHOICE_
     conv2d unless matmul's slowest iteration beat conv2d's fastest in the part's phase
     (``PART_PHASE``). Returns per part what was kept, why, and the milliseconds per iteration
     of each, and leaves ``body`` as last timed: the caller keeps the choice
-    (``Pipeline.keep_conv_math``), and must not have kept one before (a pipeline that runs
+    (``ModelMath.keep_conv_math``), and must not have kept one before (a pipeline that runs
     each part's kept convolutions would time those instead)."""
     def keep(math: str) -> None:
         body.conv_math = math
@@ -288,3 +288,107 @@ class Graphed:
                   generator: torch.Generator | None = None,
                   after_replay: Callable[[], object] | None = None) -> Callable:
         return CapturedStep(step, state, generator=generator, after_replay=after_replay)
+
+
+class ModelMath:
+    """How a pipeline's two parts run their model math, and why: each part that chooses
+    (a :class:`Choice`, from a ``CompiledIfFaster`` slot) eager or compiled, and the conv
+    body's convolutions (:class:`labkit.policy.ConvBody`) as conv2d or matmul. Each is timed at
+    warm-up (:meth:`choose`), forced by the run's config (``compile``, ``conv_math``), or kept
+    from a resumed run (:meth:`keep_choices`, :meth:`keep_conv_math`); a checkpoint and a
+    summary keep ``executor_choices`` and ``conv_choices``, as the pipeline's ``math``.
+
+    ``parts``: each part's model math as its executor wrapped it ({"rollout": the policy,
+    "update": the loss}); ``agent``: the model whose body may be a conv body; ``compile`` and
+    ``conv_math``: the run's choices ("auto": timed)."""
+
+    def __init__(self, stage: Any, parts: dict[str, Any], agent: Any, compile: str = "auto",
+                 conv_math: str = "auto") -> None:
+        from .policy import ConvBody
+
+        self.stage, self.parts, self.conv_math = stage, tuple(parts), conv_math
+        #: The parts whose executor keeps compiled or eager, whichever pays.
+        self.choices: dict[str, Choice] = {p: fn for p, fn in parts.items()
+                                           if isinstance(fn, Choice)}
+        #: What each choosing part kept, why, and (timed) both timings.
+        self.executor_choices: dict[str, dict] = {}
+        body = getattr(agent, "body", None)
+        #: The agent's conv body, if it has one.
+        self.conv_body = body if isinstance(body, ConvBody) else None
+        #: How each part runs its convolutions and why ({}: conv2d, nothing chosen).
+        self.conv_choices: dict[str, dict] = {}
+        self._agent = type(agent).__name__
+        if self.choices and compile != "auto":
+            self.keep_choices({part: {"kept": compile, "why": f"compile={compile}"}
+                               for part in self.choices})
+        if conv_math == "matmul" and self.conv_body is None:
+            raise ValueError(f"conv_math=matmul needs an agent with the conv body "
+                             f"(labkit.policy.ConvBody); {self._agent} has none")
+        if conv_math != "auto" and self.conv_body is not None:
+            self.keep_conv_math({part: {"kept": conv_math, "why": f"conv_math={conv_math}"}
+                                 for part in self.parts})
+
+    @property
+    def chooses_conv_math(self) -> bool:
+        """Whether the warm-up times the conv body's conv2d against matmul: a stage that
+        chooses its model math (even with ``compile`` forced), a conv body whose dense
+        matrices fit (``ConvBody.matmul_fits``), ``conv_math`` "auto". The two choices are
+        made one after the other: the convolutions first, each part compiled (or as
+        ``compile`` forces), then eager against compiled with the convolutions kept."""
+        return bool(self.choices) and self.conv_body is not None and \
+            self.conv_body.matmul_fits and self.conv_math == "auto"
+
+    def choose(self, pipeline: Any) -> dict[str, dict]:
+        """Time what is not yet decided on ``pipeline``'s iterations (:func:`choose_conv_math`,
+        then :func:`choose`: off the clock, the state restored) and keep the faster; returns
+        ``executor_choices``. Run once the compiled code has compiled
+        (``labkit.capture.warmup`` calls it)."""
+        if self.chooses_conv_math and not self.conv_choices:
+            self.keep_conv_math(choose_conv_math(pipeline, self.conv_body, self.parts))
+        undecided = {p: c for p, c in self.choices.items() if p not in self.executor_choices}
+        if undecided:
+            self.executor_choices.update(choose(pipeline, undecided))
+        return self.executor_choices
+
+    def keep_choices(self, made: dict[str, dict]) -> None:
+        """Keep what ``made`` says each part keeps (a resumed run's saved choices: the same
+        kernels, the same numbers)."""
+        unknown = set(made) - set(self.choices)
+        if unknown:
+            raise ValueError(f"this stage chooses nothing for {', '.join(sorted(unknown))}")
+        for part, record in made.items():
+            self.choices[part].keep(record["kept"])
+        self.executor_choices.update(made)
+
+    def keep_conv_math(self, made: dict[str, dict]) -> None:
+        """Run each part's convolutions as ``made[part]["kept"]`` says (timed, a resumed run's
+        saved choice, or a forced one): each part sets the conv body's ``conv_math`` as it
+        starts (:meth:`convs_for`; compiled code keeps one graph for each)."""
+        if self.conv_body is None:
+            raise ValueError(f"{self._agent} has no conv body to run as {made!r:.100}")
+        if set(made) != set(self.parts):
+            raise ValueError(f"a choice of convolutions names {sorted(made)}, not the parts "
+                             f"{', '.join(self.parts)}")
+        self.conv_choices = dict(made)
+        self.convs_for("rollout")
+
+    def convs_for(self, part: str) -> None:
+        """Set the conv body to run ``part``'s kept convolutions (nothing kept: as it is)."""
+        if self.conv_choices:
+            self.conv_body.conv_math = self.conv_choices[part]["kept"]
+
+    def kinds(self) -> dict[str, str]:
+        """What runs each part's model math: "eager", "compiled", "graphed compiled", ...
+        (a choosing part: what it keeps now)."""
+        def kind(part: str, executor: Any) -> str:
+            if part in self.choices:
+                return self.choices[part].kept
+            if isinstance(executor, Graphed):
+                return "graphed " + kind("", executor.base)
+            return "compiled" if isinstance(executor, Compiled) else "eager"
+        return {"rollout": kind("rollout", self.stage.rollout_executor),
+                "update": kind("update", self.stage.update_executor)}
+
+    def describe(self) -> str:
+        """:func:`describe_model_math` of what was kept ("" where nothing was chosen)."""
+        return describe_model_math(self.executor_choices, self.conv_choices)

@@ -45,18 +45,16 @@ from .distributed import SINGLE, Group
 from .envs import ForageNumpy, ForagePyList, ForageTorch, ForageTorchLoop
 from .executors import (
     PART_PHASE,
-    Choice,
     Compiled,
     CompiledIfFaster,
     Eager,
     Executor,
     Graphed,
-    choose,
-    choose_conv_math,
+    ModelMath,
 )
 from .logging import AsyncLogger, SyncLogger
 from .metrics import DeviceEpisodeStats, EagerEpisodeStats
-from .policy import Agent, ConvBody, sample_action
+from .policy import Agent, sample_action
 from .ppo import Batch, PPOConfig, annealed_lr, gae
 from .precision import Precision, amp, fp32
 from .rollout import DeviceCollector, HostBatchedCollector, PerEnvCollector, Rollout
@@ -398,29 +396,10 @@ class Pipeline:
             agent=self.agent, optimizer=self.optimizer,
             clip_grad=group.average_grads(stage.optimizer.clip_grad), precision=self.precision,
             executor=stage.update_executor, cfg=cfg.ppo, generator=self.generator, state=self)
-        #: The parts whose executor keeps compiled or eager, whichever pays (stage 7), and
-        #: what each kept and why (``choose_executors``, or ``cfg.compile`` when forced).
-        self.choices = {part: fn for part, fn in (("rollout", self.policy), ("update", loss))
-                        if isinstance(fn, Choice)}
-        self.executor_choices: dict[str, dict] = {}
-        if self.choices and cfg.compile != "auto":
-            self.keep_choices({part: {"kept": cfg.compile, "why": f"compile={cfg.compile}"}
-                               for part in self.choices})
-        #: The agent's conv body, if it has one, and how each part (rollout, update) runs its
-        #: convolutions and why: timed where the stage chooses its model math
-        #: (``choose_executors``), forced by ``cfg.conv_math``, else {} (conv2d).
-        body = getattr(self.agent, "body", None)
-        self.conv_body = body if isinstance(body, ConvBody) else None
-        self.conv_choices: dict[str, dict] = {}
-        if cfg.conv_math != "auto":
-            if self.conv_body is None and cfg.conv_math == "matmul":
-                raise ValueError(f"conv_math=matmul needs an agent with the conv body "
-                                 f"(labkit.policy.ConvBody); {type(self.agent).__name__} has "
-                                 "none")
-            if self.conv_body is not None:
-                self.keep_conv_math({part: {"kept": cfg.conv_math,
-                                            "why": f"conv_math={cfg.conv_math}"}
-                                     for part in PARTS})
+        #: How each part runs its model math and its convolutions, and why (chosen at warm-up,
+        #: forced by ``cfg``, or kept from a resumed run).
+        self.math = ModelMath(stage, {"rollout": self.policy, "update": loss}, self.agent,
+                              compile=cfg.compile, conv_math=cfg.conv_math)
         self.global_step = 0
         self.iteration_index = 0
         self._initial = self.state_dict()
@@ -429,7 +408,7 @@ class Pipeline:
 
     def collect(self) -> Rollout:
         """T env steps with the policy; each logs its mean reward (the logger's per-step load)."""
-        self._convs_for("rollout")
+        self.math.convs_for("rollout")
         with torch.no_grad():
             for _ in range(self.cfg.n_steps):
                 self._step()
@@ -456,7 +435,7 @@ class Pipeline:
         if self.ppo.anneal_lr:
             self.stage.optimizer.set_lr(self.optimizer, annealed_lr(
                 self.ppo.lr, self.iteration_index, self.cfg.lr_horizon))
-        self._convs_for("update")
+        self.math.convs_for("update")
         stats = self.ppo_update(batch)
         self.clock.lap("update")
         self.iteration_index += 1
@@ -470,70 +449,6 @@ class Pipeline:
     def iteration(self) -> dict[str, float | torch.Tensor]:
         """One PPO iteration: rollout of T steps x N envs, GAE, update."""
         return self.learn(self.rollout())
-
-    # ------------------------------------------------------------------ executors
-
-    def choose_executors(self) -> dict[str, dict]:
-        """Time eager against compiled for each part not yet decided (``labkit.executors.
-        choose``: off the clock, the state restored) and keep the faster; what each part kept,
-        why, and both timings. Run once the compiled code has compiled
-        (``labkit.capture.warmup`` calls it)."""
-        if self.chooses_conv_math and not self.conv_choices:
-            self.keep_conv_math(choose_conv_math(self, self.conv_body, PARTS))
-        undecided = {p: c for p, c in self.choices.items() if p not in self.executor_choices}
-        if undecided:
-            self.executor_choices.update(choose(self, undecided))
-        return self.executor_choices
-
-    @property
-    def chooses_conv_math(self) -> bool:
-        """Whether the warmup times the conv body's conv2d against matmul: a stage that
-        chooses its model math (even with ``cfg.compile`` forced), an agent with the conv body
-        whose dense matrices fit (``ConvBody.matmul_fits``), ``cfg.conv_math`` "auto". The two
-        choices are made one after the other, not together: the convolutions first, each part
-        compiled (or as ``cfg.compile`` forces), then eager against compiled with the
-        convolutions kept."""
-        return bool(self.choices) and self.conv_body is not None and \
-            self.conv_body.matmul_fits and self.cfg.conv_math == "auto"
-
-    def keep_conv_math(self, made: dict[str, dict]) -> None:
-        """Run each part's convolutions as ``made[part]["kept"]`` says (timed, a resumed run's
-        saved choice, or a forced one): the rollout and the update set the conv body's
-        ``conv_math`` as they start (compiled code keeps one graph for each)."""
-        if self.conv_body is None:
-            raise ValueError(f"{type(self.agent).__name__} has no conv body to run as "
-                             f"{made!r:.100}")
-        if set(made) != set(PARTS):
-            raise ValueError(f"a choice of convolutions names {sorted(made)}, not the parts "
-                             f"{', '.join(PARTS)}")
-        self.conv_choices = dict(made)
-        self._convs_for("rollout")
-
-    def _convs_for(self, part: str) -> None:
-        if self.conv_choices:
-            self.conv_body.conv_math = self.conv_choices[part]["kept"]
-
-    def keep_choices(self, made: dict[str, dict]) -> None:
-        """Keep what ``made`` says each part keeps (a resumed run's saved choices: the same
-        kernels, the same numbers)."""
-        unknown = set(made) - set(self.choices)
-        if unknown:
-            raise ValueError(f"this stage chooses nothing for {', '.join(sorted(unknown))}")
-        for part, record in made.items():
-            self.choices[part].keep(record["kept"])
-        self.executor_choices.update(made)
-
-    def model_math(self) -> dict[str, str]:
-        """What runs the model math of each part: "eager", "compiled", "graphed compiled", ...
-        (a choosing part: what it keeps now)."""
-        def kind(part: str, executor: Any) -> str:
-            if part in self.choices:
-                return self.choices[part].kept
-            if isinstance(executor, Graphed):
-                return "graphed " + kind("", executor.base)
-            return "compiled" if isinstance(executor, Compiled) else "eager"
-        return {"rollout": kind("rollout", self.stage.rollout_executor),
-                "update": kind("update", self.stage.update_executor)}
 
     # ------------------------------------------------------------------ state
 

@@ -2,7 +2,7 @@
 
     python3 scripts/gpu_notebooks.py OUT_DIR notebooks/00_measure_first.ipynb ...
 
-Each notebook is executed in place (``labkit.app.record.execute_notebook``: the device and the
+Each notebook is executed in place (``labkit.app.notebooks.execute_notebook``: the device and the
 commit stamped in its metadata) and copied into OUT_DIR, also when a cell raised (then the
 error is printed and the exit status is 1). For a first look at what CUDA cells do there;
 ``record --part notebook-NN`` is what records a chapter."""
@@ -20,7 +20,7 @@ from pathlib import Path
 def _one(path: str, out: str) -> tuple[str, float, str]:
     import torch
 
-    from labkit.app.record import execute_notebook
+    from labkit.app.notebooks import execute_notebook
     start = time.perf_counter()
     error = ""
     try:

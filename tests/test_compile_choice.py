@@ -146,13 +146,13 @@ def test_stage_7_compiles_where_it_pays_and_stage_5_always_compiles():
 def test_the_warmup_decides_and_undoes_what_it_ran():
     cfg = RunConfig(n_envs=8, n_steps=8, spec=SPEC, conv_math="conv2d")  # fresh's convolutions
     with Pipeline(_stage(), cfg, "cpu") as pipe, Pipeline(_stage(), cfg, "cpu") as fresh:
-        assert set(pipe.choices) == {"rollout", "update"} and not pipe.executor_choices
+        assert set(pipe.math.choices) == {"rollout", "update"} and not pipe.math.executor_choices
         warmup(pipe)
-        made = pipe.executor_choices
+        made = pipe.math.executor_choices
         assert set(made) == {"rollout", "update"}
         assert all(m["why"] == "timed" and len(m["eager_ms"]) == CHOICE_ROUNDS
                    for m in made.values())
-        assert pipe.model_math() == {p: made[p]["kept"] for p in ("rollout", "update")}
+        assert pipe.math.kinds() == {p: made[p]["kept"] for p in ("rollout", "update")}
         # the timing iterations were undone: the next iteration is a fresh pipeline's first
         a, b = pipe.iteration(), fresh.iteration()
         assert torch.equal(a["pg_loss"], b["pg_loss"])
@@ -161,20 +161,21 @@ def test_the_warmup_decides_and_undoes_what_it_ran():
 
 @pytest.mark.parametrize("kind", ["eager", "compiled"])
 def test_a_forced_choice_is_kept_without_timing(kind, monkeypatch):
-    monkeypatch.setattr("labkit.stages.choose", lambda *a, **k: pytest.fail("timed"))
+    monkeypatch.setattr("labkit.executors.choose", lambda *a, **k: pytest.fail("timed"))
     cfg = RunConfig(n_envs=8, n_steps=8, spec=SPEC, compile=kind)
     with Pipeline(_stage(), cfg, "cpu") as pipe:
         warmup(pipe)
-        assert pipe.model_math() == {"rollout": kind, "update": kind}
-        assert pipe.executor_choices["update"] == {"kept": kind, "why": f"compile={kind}"}
-        assert describe_choice("update", pipe.executor_choices["update"]) == \
+        assert pipe.math.kinds() == {"rollout": kind, "update": kind}
+        assert pipe.math.executor_choices["update"] == {"kept": kind, "why": f"compile={kind}"}
+        assert describe_choice("update", pipe.math.executor_choices["update"]) == \
             f"update {kind} (compile={kind})"
 
 
 def test_stages_that_do_not_choose_say_what_runs_their_model_math():
     cfg = RunConfig(n_envs=8, n_steps=8, spec=SPEC)
     with Pipeline("async_logging", cfg, "cpu") as pipe:
-        assert pipe.choices == {} and pipe.model_math() == {"rollout": "eager", "update": "eager"}
+        assert pipe.math.choices == {}
+        assert pipe.math.kinds() == {"rollout": "eager", "update": "eager"}
     with pytest.raises(ValueError, match="compile must be one of auto, compiled, eager"):
         RunConfig(compile="yes")
 
@@ -197,7 +198,7 @@ def test_a_resumed_run_keeps_the_choice_its_checkpoint_holds(tmp_path, monkeypat
         return built[-1]
 
     monkeypatch.setattr(train_module, "build_pipeline", build)
-    monkeypatch.setattr("labkit.stages.choose", scripted)
+    monkeypatch.setattr("labkit.executors.choose", scripted)
     cfg = TrainConfig.flat(stage="fused_amp", device="cpu", n_envs=8, n_steps=16,
                            total_steps=4 * 128, seed=3, checkpoint_every=2, spec=SPEC)
     summary = train(cfg, tmp_path / "run", progress=False, stop_after=2)
@@ -208,10 +209,10 @@ def test_a_resumed_run_keeps_the_choice_its_checkpoint_holds(tmp_path, monkeypat
     assert "rollout eager (policy 1.0 ms per iteration eager, 2.0 compiled" in \
         start_line(cfg, built[-1])
     # a resume keeps the saved choice: nothing is timed again
-    monkeypatch.setattr("labkit.stages.choose", lambda *a, **k: pytest.fail("timed again"))
+    monkeypatch.setattr("labkit.executors.choose", lambda *a, **k: pytest.fail("timed again"))
     summary = train(None, tmp_path / "run", resume=True, progress=False)
     assert summary["complete"] and summary["executor_choices"] == made
-    assert built[-1].model_math() == {"rollout": "eager", "update": "compiled"}
+    assert built[-1].math.kinds() == {"rollout": "eager", "update": "compiled"}
     # a checkpoint written before runs chose (no executor_choices) resumes compiled, as it ran
     payload = checkpoint.load(tmp_path / "run" / checkpoint.FILENAME)
     payload.pop("format")
@@ -219,7 +220,7 @@ def test_a_resumed_run_keeps_the_choice_its_checkpoint_holds(tmp_path, monkeypat
     checkpoint.save(tmp_path / "run" / checkpoint.FILENAME, payload)
     (tmp_path / "run" / "summary.json").unlink()
     train(None, tmp_path / "run", resume=True, progress=False)
-    assert built[-1].model_math() == {"rollout": "compiled", "update": "compiled"}
+    assert built[-1].math.kinds() == {"rollout": "compiled", "update": "compiled"}
 
 
 def test_a_checkpoint_with_a_bad_choice_is_refused_naming_the_field(tmp_path):
@@ -346,12 +347,12 @@ def test_stage_7_times_its_convolutions_and_each_part_runs_what_it_kept(monkeypa
         return {part: {"kept": kept[part], "why": "timed", "phase": part,
                        "conv2d_ms": [1.0], "matmul_ms": [1.0]} for part in parts}
 
-    monkeypatch.setattr("labkit.stages.choose_conv_math", scripted)
+    monkeypatch.setattr("labkit.executors.choose_conv_math", scripted)
     with Pipeline(_stage(), cfg, "cpu") as pipe:
-        assert pipe.chooses_conv_math and not pipe.conv_choices
+        assert pipe.math.chooses_conv_math and not pipe.math.conv_choices
         warmup(pipe)  # the executors are forced: the warmup times the convolutions alone
         assert timed == [pipe.agent.body]
-        assert {p: m["kept"] for p, m in pipe.conv_choices.items()} == kept
+        assert {p: m["kept"] for p, m in pipe.math.conv_choices.items()} == kept
         seen = []
         real_step, real_update = pipe._step, pipe.ppo_update
         pipe._step = lambda: (seen.append(("rollout", pipe.agent.body.conv_math)), real_step())
@@ -363,30 +364,30 @@ def test_stage_7_times_its_convolutions_and_each_part_runs_what_it_kept(monkeypa
     monkeypatch.undo()
     with Pipeline(_stage(), cfg, "cpu") as pipe:
         warmup(pipe)
-        assert set(pipe.conv_choices) == {"rollout", "update"}
+        assert set(pipe.math.conv_choices) == {"rollout", "update"}
         assert all(m["why"] == "timed" and len(m["matmul_ms"]) == CHOICE_ROUNDS
-                   and m["kept"] in ("conv2d", "matmul") for m in pipe.conv_choices.values())
+                   and m["kept"] in ("conv2d", "matmul") for m in pipe.math.conv_choices.values())
 
 
 @pytest.mark.parametrize("math", ["conv2d", "matmul"])
 def test_forced_convolutions_are_kept_without_timing_in_any_stage(math, monkeypatch):
-    monkeypatch.setattr("labkit.stages.choose_conv_math",
+    monkeypatch.setattr("labkit.executors.choose_conv_math",
                         lambda *a, **k: pytest.fail("timed"))
     for stage in (_stage(), "async_logging"):
         cfg = RunConfig(n_envs=8, n_steps=8, spec=SPEC, compile="eager", conv_math=math)
         with Pipeline(stage, cfg, "cpu") as pipe:
             warmup(pipe)
             assert pipe.agent.body.conv_math == math
-            assert pipe.conv_choices == {p: {"kept": math, "why": f"conv_math={math}"}
+            assert pipe.math.conv_choices == {p: {"kept": math, "why": f"conv_math={math}"}
                                          for p in ("rollout", "update")}
-            assert describe_conv_math(pipe.conv_choices) == (
+            assert describe_conv_math(pipe.math.conv_choices) == (
                 f"convolutions: rollout {math} (conv_math={math}), update {math} "
                 f"(conv_math={math})")
 
 
 def test_stages_that_do_not_choose_run_conv2d_and_bad_conv_math_is_refused():
     with Pipeline("async_logging", RunConfig(n_envs=8, n_steps=8, spec=SPEC), "cpu") as pipe:
-        assert not pipe.chooses_conv_math and pipe.conv_choices == {}
+        assert not pipe.math.chooses_conv_math and pipe.math.conv_choices == {}
         assert pipe.agent.body.conv_math == "conv2d"
     with pytest.raises(ValueError, match="conv_math must be one of auto, conv2d, matmul"):
         RunConfig(conv_math="fft")
@@ -394,10 +395,10 @@ def test_stages_that_do_not_choose_run_conv2d_and_bad_conv_math_is_refused():
         RunConfig(model="attention", conv_math="matmul")
     with Pipeline(_stage(), RunConfig(n_envs=8, n_steps=8, spec=SPEC, model="attention"),
                   "cpu") as pipe:  # no conv body: nothing to time
-        assert pipe.conv_body is None and not pipe.chooses_conv_math
+        assert pipe.math.conv_body is None and not pipe.math.chooses_conv_math
     big = dataclasses.replace(SPEC, view=11)
     with Pipeline(_stage(), RunConfig(n_envs=8, n_steps=8, spec=big), "cpu") as pipe:
-        assert not pipe.chooses_conv_math  # its dense matrices would not fit
+        assert not pipe.math.chooses_conv_math  # its dense matrices would not fit
 
 
 def test_a_resumed_run_keeps_its_convolutions_and_a_bad_record_is_refused(tmp_path,
@@ -413,7 +414,7 @@ def test_a_resumed_run_keeps_its_convolutions_and_a_bad_record_is_refused(tmp_pa
         return built[-1]
 
     monkeypatch.setattr(train_module, "build_pipeline", build)
-    monkeypatch.setattr("labkit.stages.choose_conv_math", lambda *a, **k: made)
+    monkeypatch.setattr("labkit.executors.choose_conv_math", lambda *a, **k: made)
     cfg = TrainConfig.flat(stage="fused_amp", device="cpu", n_envs=8, n_steps=16,
                            total_steps=4 * 128, seed=3, checkpoint_every=2, spec=SPEC,
                            compile="eager")
@@ -423,11 +424,11 @@ def test_a_resumed_run_keeps_its_convolutions_and_a_bad_record_is_refused(tmp_pa
         start_line(cfg, built[-1])
     path = tmp_path / "run" / checkpoint.FILENAME
     assert checkpoint.load(path)["conv_choices"] == made
-    monkeypatch.setattr("labkit.stages.choose_conv_math",
+    monkeypatch.setattr("labkit.executors.choose_conv_math",
                         lambda *a, **k: pytest.fail("timed again"))
     summary = train(None, tmp_path / "run", resume=True, progress=False)
     assert summary["complete"] and summary["conv_choices"] == made
-    assert built[-1].conv_choices == made
+    assert built[-1].math.conv_choices == made
     # a checkpoint written before the choice existed resumes conv2d, as it ran
     payload = checkpoint.load(path)
     payload.pop("format")
@@ -435,7 +436,7 @@ def test_a_resumed_run_keeps_its_convolutions_and_a_bad_record_is_refused(tmp_pa
     checkpoint.save(path, payload)
     (tmp_path / "run" / "summary.json").unlink()
     train(None, tmp_path / "run", resume=True, progress=False)
-    assert {p: m["kept"] for p, m in built[-1].conv_choices.items()} == \
+    assert {p: m["kept"] for p, m in built[-1].math.conv_choices.items()} == \
         {"rollout": "conv2d", "update": "conv2d"}
     for bad in ({"update": made["update"]}, {**made, "update": {"kept": "fft", "why": "x"}},
                 {**made, "update": {**made["update"], "matmul_ms": []}}, ["matmul"],

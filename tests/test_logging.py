@@ -4,6 +4,7 @@ import gc
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ import torch
 
 from labkit.logging import AsyncLogger, SyncLogger
 from labkit.measure.syncmeter import SyncMeter
+from tests.runs import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -300,3 +302,53 @@ def test_a_background_thread_dying_of_a_disk_error_prints_no_traceback(monkeypat
         assert printed == [ValueError]
     run(OSError(errno.ENOSPC, "No space left on device"))  # outside: as before
     assert printed == [ValueError, OSError]
+
+
+# ---------------------------------------------------------------- 14. the logger's errors
+
+
+class FlushFails(io.StringIO):
+    def __init__(self, ok_flushes: int) -> None:
+        super().__init__()
+        self.ok = ok_flushes
+
+    def flush(self) -> None:
+        if self.ok == 0:
+            raise OSError(28, "No space left on device")
+        self.ok -= 1
+        super().flush()
+
+
+def test_a_writer_error_surfaces_at_the_next_log():
+    logger = AsyncLogger(FlushFails(ok_flushes=3))
+    for i in range(4):
+        logger.log(i, x=i)
+    wait_for(lambda: logger._writer.error is not None, 10, "the writer to fail")
+    with pytest.raises(RuntimeError, match="No space left"):
+        logger.log(4, x=4)
+
+
+@pytest.mark.slow
+def test_a_dropped_logger_reports_its_error_on_stderr(tmp_path):
+    script = ("import io\nfrom labkit.logging import AsyncLogger\n"
+              "class Bad(io.StringIO):\n"
+              "    def write(self, s):\n        raise OSError('disk full')\n"
+              "logger = AsyncLogger(Bad())\nlogger.log(1, x=1)\n")
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "AsyncLogger writer failed" in r.stderr
+    assert "disk full" in r.stderr
+
+
+@pytest.mark.parametrize("cls", [SyncLogger, AsyncLogger])
+def test_a_deleted_log_folder_is_noticed(tmp_path, cls):
+    folder = tmp_path / "logs"
+    logger = cls(folder / "steps.jsonl")
+    logger.log(0, x=1)
+    logger.flush()
+    shutil.rmtree(folder)
+    with pytest.raises((RuntimeError, FileNotFoundError), match="was deleted"):
+        for i in range(1, 1000):
+            logger.log(i, x=i)
+            logger.flush()
+    logger.close()

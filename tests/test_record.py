@@ -354,7 +354,7 @@ def _widget_notebook() -> dict:
 
 
 def test_a_stored_widget_keeps_what_it_showed_and_no_widget_state():
-    from labkit.app.record import strip_widgets
+    from labkit.app.notebooks import strip_widgets
 
     nb = strip_widgets(_widget_notebook())
     bar, form = nb["cells"][0]["outputs"]
@@ -367,7 +367,7 @@ def test_a_stored_widget_keeps_what_it_showed_and_no_widget_state():
     (Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9]*.ipynb")),
     ids=lambda p: p.stem)
 def test_no_stored_notebook_holds_widget_state(path):
-    """make record strips it (labkit.app.record.strip_widgets): a stored widget renders blank
+    """make record strips it (labkit.app.notebooks.strip_widgets): a stored widget renders blank
     or as its first frame wherever no kernel runs (a static page, GitHub)."""
     text = path.read_text(encoding="utf-8")
     assert "application/vnd.jupyter.widget-view+json" not in text

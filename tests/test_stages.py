@@ -397,9 +397,9 @@ def test_warmup_then_restore_computes_what_a_fresh_pipeline_computes(index, devi
         storage = [t.data_ptr() for t in p.agent.parameters()]
         assert warmup(p) > 0
         assert [t.data_ptr() for t in p.agent.parameters()] == storage
-        fresh.keep_choices(p.executor_choices)  # what stage 7's warmup chose, untimed
-        if p.conv_choices:
-            fresh.keep_conv_math(p.conv_choices)
+        fresh.math.keep_choices(p.math.executor_choices)  # what stage 7's warmup chose, untimed
+        if p.math.conv_choices:
+            fresh.math.keep_conv_math(p.math.conv_choices)
         a, b = fresh.iteration(), p.iteration()
         assert {k: float(v) for k, v in a.items()} == {k: float(v) for k, v in b.items()}
         for x, y in zip(tree_tensors(fresh.state_dict()), tree_tensors(p.state_dict())):
@@ -605,6 +605,23 @@ def test_ladder_twice_does_not_grow_memory():
     assert any(k.startswith("inductor::") for k in result["ladder"][-1]["kernels_top"]["update"])
     assert all(r["kernels_per_step"] > 0 for r in result["ladder"])
     assert [r["n_envs"] for r in result["scaling"]] == [8] * 4 + [16] * 4  # N by N
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["compile_warmup", "fused_amp"])
+def test_rebuilding_compiled_pipelines_does_not_grow_memory(stage, tiny_run):
+    """Building a pipeline used to reset dynamo and compile afresh each time (memory grew with
+    every rebuild); compiled code is now shared by every pipeline of the same shapes."""
+    psutil = pytest.importorskip("psutil")
+    proc = psutil.Process()
+    rss = []
+    for _ in range(10):
+        with Pipeline(stage, tiny_run, "cpu") as p:
+            p.iteration()
+        del p
+        gc.collect()
+        rss.append(proc.memory_info().rss)
+    assert (rss[-1] - rss[3]) / 6 < 0.5 * 2**20, [r / 2**20 for r in rss]
 
 
 # ---------------------------------------------------------------- CUDA only

@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,17 +13,28 @@ from pathlib import Path
 import pytest
 import torch
 
+from labkit import debug
 from labkit.app import checkpoint
 from labkit.app.cli import main
-from labkit.app.train import TrainConfig, TrainingInterrupted, train
+from labkit.app.train import TrainConfig, TrainingFailed, TrainingInterrupted, train
 from labkit.capture import tree_tensors
 from labkit.config import RunConfig
 from labkit.device import deterministic
 from labkit.envs.policies import mean_return
 from labkit.envs.spec import ForageSpec
 from labkit.executors import Eager
+from labkit.files import FolderLock
 from labkit.ppo import PPOConfig
 from labkit.stages import Pipeline, PipelineState, get_stage
+from tests.runs import (
+    ROOT,
+    TINY,
+    metrics_lines,
+    run_cli,
+    start_training,
+    tiny_config,
+    wait_for,
+)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -462,3 +476,129 @@ def test_a_run_is_judged_once(tmp_path, monkeypatch, how, capsys):
         train(None if how == "resume" else small_config(total_steps=2 * 128), out,
               resume=how == "resume", progress=False)
     assert counts == {"resolve_device": 2, "Stage.check": 2}
+
+
+# ---------------------------------------------------------------- a run that fails as it trains
+
+
+def test_a_full_disk_during_training_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys,
+                                                                           monkeypatch):
+    real_save = checkpoint.save
+    calls = []
+
+    def save_or_fail(path, payload):
+        calls.append(payload["state"]["iteration"])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", str(path))
+        return real_save(path, payload)
+
+    monkeypatch.setattr(checkpoint, "save", save_or_fail)
+    out = tmp_path / "run"
+    code, _, err = run_cli(["train", *TINY, "--total-steps", "320", "--out", str(out)], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert "No space left on device" in err and "state after iteration 1" in err
+    assert checkpoint.load(out / "checkpoint.pt")["state"]["iteration"] == 1
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_checkpoint_resumes_from_its_start(tmp_path):
+    out = tmp_path / "r"
+    proc = start_training(out, "--total-steps", "640", "--checkpoint-every", "0",
+                          script_prefix="import time, labkit.app.train as t\n"
+                          "_it = t.Pipeline.iteration\n"
+                          "def slow(self):\n    time.sleep(0.3)\n    return _it(self)\n"
+                          "t.Pipeline.iteration = slow")
+    wait_for(lambda: metrics_lines(out) >= 2, what="two iterations")
+    proc.kill()
+    proc.wait(timeout=60)
+    assert not (out / "checkpoint.pt").exists() and (out / "config.json").exists()
+    r = subprocess.run([sys.executable, "-m", "labkit", "train", "--resume", str(out),
+                        "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [rec["iteration"] for rec in records] == list(range(1, 11))
+
+
+def test_a_run_folder_deleted_mid_run_is_said_so(tmp_path, monkeypatch):
+    """C-deleted-folder-midrun: the line said the deleted checkpoint held the state."""
+    out = tmp_path / "r"
+    real = Pipeline.iteration
+    calls = []
+
+    def delete_the_folder(self):
+        calls.append(1)
+        if len(calls) == 3:
+            shutil.rmtree(out)
+        return real(self)
+
+    monkeypatch.setattr(Pipeline, "iteration", delete_the_folder)
+    with pytest.raises(TrainingFailed, match="was deleted, with its checkpoint") as err:
+        train(tiny_config(total_steps=640), out, progress=False)
+    assert "holds the state" not in str(err.value) and not out.exists()
+
+
+def test_a_deleted_run_folder_stops_training(tmp_path, monkeypatch):
+    out = tmp_path / "r"
+    iteration = Pipeline.iteration
+
+    def delete_then_iterate(self):
+        if self.iteration_index == 1:
+            (out / "metrics.jsonl").unlink()
+        return iteration(self)
+
+    monkeypatch.setattr(Pipeline, "iteration", delete_then_iterate)
+    with pytest.raises(TrainingFailed, match="was deleted"):
+        train(tiny_config(total_steps=320), out, progress=False)
+
+
+def test_a_run_whose_lock_is_deleted_stops_before_its_next_save(tmp_path, monkeypatch, capsys):
+    """A second `--resume` after `.lock` was deleted would lock a new file and train the same
+    run alongside: the run notices at its next checkpoint and stops with one line."""
+    from labkit.app import checkpoint as ckpt
+    monkeypatch.chdir(tmp_path)
+    original = ckpt.save
+
+    def save_then_delete_the_lock(path, payload):
+        original(path, payload)
+        (Path(path).parent / FolderLock.NAME).unlink(missing_ok=True)
+
+    monkeypatch.setattr(ckpt, "save", save_then_delete_the_lock)
+    code, _, err = run_cli(["train", *TINY, "--out", "run"], capsys)
+    assert code == 2 and "was deleted while this run held it" in err, err
+    assert err.count("\n") == 1, err
+
+
+def poison_the_weights_before_iteration_3(monkeypatch) -> None:
+    """Every pipeline's actor weights become NaN when its third iteration starts."""
+    iteration = Pipeline.iteration
+
+    def poisoned(self):
+        if self.iteration_index == 2:
+            with torch.no_grad():
+                self.agent.actor.weight.fill_(math.nan)
+        return iteration(self)
+
+    monkeypatch.setattr(Pipeline, "iteration", poisoned)
+
+
+def test_training_stops_when_the_loss_becomes_non_finite(tmp_path, monkeypatch):
+    poison_the_weights_before_iteration_3(monkeypatch)
+    out = tmp_path / "r"
+    with pytest.raises(TrainingFailed, match="non-finite .* in iteration 3.*after iteration 2"):
+        train(tiny_config(total_steps=320, checkpoint_every=0), out, progress=False)
+    saved = checkpoint.check(checkpoint.load(out / "checkpoint.pt"), out)
+    assert saved["state"]["iteration"] == 2  # the last finite state, and it loads
+
+
+def test_debug_checks_in_training_name_the_point_and_keep_the_last_good_state(
+        tmp_path, monkeypatch, capsys):
+    poison_the_weights_before_iteration_3(monkeypatch)
+    out = tmp_path / "r"
+    assert main(["train", *TINY, "--total-steps", "320", "--checkpoint-every", "0", "--debug",
+                 "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert re.fullmatch(r"error: debug checks: logits is not finite at step \d+ .* in "
+                        r"iteration 3; stopped\. .* after iteration 2", err), err
+    assert checkpoint.load(out / "checkpoint.pt")["state"]["iteration"] == 2
+    assert not debug.enabled()  # switched off again after the run

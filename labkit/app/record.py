@@ -2,7 +2,7 @@
 each fit a short stay on a GPU. Its parts and their estimated minutes are
 :mod:`labkit.app.plan`; the files it writes into are :mod:`labkit.app.results`; the report part
 is :mod:`labkit.app.report` (``results/RESULTS.md`` and the README's results section
-generated from the JSON).
+generated from the JSON); a notebook part executes its chapter with :mod:`labkit.app.notebooks`.
 
 A record is a list of **parts** (``python -m labkit record --plan`` prints them with their
 estimated minutes), each one command's worth of work or less:
@@ -49,8 +49,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..device import git_commit, run_metadata
-from ..files import atomic_write, check_output_dir, save_figure, write_json
+from ..files import check_output_dir, save_figure, write_json
 from .flags import device_and_profile, device_flag, path, run_id
+from .notebooks import execute_notebook, recorded_on
 from .plan import LEARNING, Part, plan, select
 from .report import write_report
 from .results import (
@@ -317,71 +318,6 @@ def _batches(parts: list[Part]) -> list[list[Part]]:
 
 
 # ---------------------------------------------------------------- record
-
-
-def execute_notebook(path: Path, device: torch.device, commit: str, timeout: int = 900
-                     ) -> Path:
-    """Execute ``path`` in place (outputs and widget state stored), stamped with the device
-    and commit in its metadata."""
-    import nbformat
-    from nbclient import NotebookClient
-
-    nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=True,
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
-    strip_widgets(nb)
-    nb.metadata["labkit"] = {"device": device.type, "git_commit": commit,
-                             "date": run_metadata(device)["date"]}
-    with atomic_write(path) as f:
-        nbformat.write(nb, f)
-    return path
-
-
-_VIEW = "application/vnd.jupyter.widget-view+json"
-
-
-def strip_widgets(nb: dict) -> dict:
-    """Store what a widget showed, not the widget: a page built from the stored notebook (or
-    a notebook opened without its kernel) has no widget manager, so a widget output renders
-    blank or from its text fallback, which for a tqdm bar is its first frame ("0stage").
-    Each widget output keeps text: a progress bar its last frame, read from the widget state
-    stored at execution (description, count, postfix), any other widget its own text; the
-    widget view and the notebook's widget state (tens of KB) are dropped."""
-    state = nb.get("metadata", {}).pop("widgets", {}).get(
-        "application/vnd.jupyter.widget-state+json", {}).get("state", {})
-    for cell in nb.get("cells", []):
-        for out in cell.get("outputs", []):
-            data = out.get("data", {})
-            view = data.pop(_VIEW, None)
-            if view is not None:
-                said = _last_frame(state, view.get("model_id", ""))
-                if said:
-                    data["text/plain"] = said
-    return nb
-
-
-def _last_frame(state: dict, model_id: str) -> str:
-    """A tqdm bar's last frame from its stored widget models (an HBox of the label, the bar
-    and the counts), or "" for another widget."""
-    import html
-
-    model = state.get(model_id, {})
-    children = [state.get(c.removeprefix("IPY_MODEL_"), {})
-                for c in model.get("state", {}).get("children", [])]
-    names = [c.get("model_name") for c in children]
-    if model.get("model_name") != "HBoxModel" or names != ["HTMLModel", "FloatProgressModel",
-                                                           "HTMLModel"]:
-        return ""
-    label, bar, counts = (c.get("state", {}) for c in children)
-    filled = "\u2588" * round(10 * bar.get("value", 0) / (bar.get("max") or 1))
-    text = f"{label.get('value', '')}|{filled:<10}|{counts.get('value', '')}"
-    return html.unescape(text).replace("\u2007", " ")  # tqdm's figure spaces
-
-
-def recorded_on(path: Path) -> str | None:
-    """The device type a notebook was last recorded on (None if never by ``record``)."""
-    meta = json.loads(path.read_text(encoding="utf-8")).get("metadata", {})
-    return meta.get("labkit", {}).get("device")
 
 
 def record(device: torch.device, profile: str, out: str | Path = "results",

@@ -1,4 +1,5 @@
-"""What a training run is: its config, its folder, and the one door that judges both.
+"""What a training run is: its config (:class:`TrainConfig`), its folder, and the one door
+that judges both.
 
 :func:`open_run` is the only place a run is validated. A new run: the config's device is
 resolved and the stage checked on it (it exists, the stage can run there, the run fits in
@@ -18,15 +19,15 @@ from __future__ import annotations
 
 import json
 import signal
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..config import RunConfig, split_run_fields
 from ..device import parse_device, resolve_device
 from ..distributed import SINGLE, Group
+from ..executors import CompiledIfFaster
 from ..files import (
     FolderLock,
     check_output_dir,
@@ -41,16 +42,14 @@ from ..files import (
 from ..logging import TensorBoardSink
 from ..signals import signals_deferred
 from ..stages import default_stage, get_stage
-from ..validate import check_int
 from . import checkpoint
+from .train_config import TrainConfig
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 #: A folder holding any of these holds a run.
 RUN_FILES = (CONFIG, METRICS, checkpoint.FILENAME)
-#: What config.json holds, and the error that names it when it does not.
-_CONFIG_JSON = ("a run config object", checkpoint.CheckpointError)
 
 
 @dataclass(frozen=True)
@@ -62,68 +61,6 @@ class NewFolder:
 
     def __str__(self) -> str:
         return f"a new folder {self.pattern}"
-
-
-@dataclass
-class TrainConfig:
-    """One training run: a ``RunConfig`` trained by one stage's pipeline for ``total_steps``."""
-
-    run: RunConfig = field(default_factory=RunConfig)
-    """What the pipeline runs (N, T, seed, value head, env, PPO). Its ``lr_horizon`` is set to
-    ``n_iterations``: the LR anneals to 0 over the whole run."""
-    stage: str | None = None
-    """Ladder stage whose pipeline trains (0-8 or a name; stages 0-2 are slow on purpose,
-    cuda_graphs needs a bf16 GPU). None: the run's device's default by its recorded ladder
-    (``labkit.stages.DEFAULT_STAGE``: on the CPU the stage that finishes the default run first,
-    set-up counted; on CUDA the fastest), settled when the run opens."""
-    device: str = "auto"
-    """auto (CUDA if present), cpu, cuda or cuda:N."""
-    total_steps: int = 500_000
-    """Env steps of the whole run, rounded down to whole iterations (at least one)."""
-    checkpoint_every: int = 25
-    """Write OUT/checkpoint.pt every this many iterations (0: only at the end and on Ctrl-C)."""
-    world_size: int = 1
-    """Processes of a torchrun run (the CLI sets it from torchrun's WORLD_SIZE); every process
-    steps its own n_envs, and total_steps counts them all."""
-    n_iterations: int = field(init=False)
-    """total_steps // (n_envs * n_steps * world_size), derived."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.run, RunConfig):
-            raise TypeError(f"run must be a RunConfig, got {type(self.run).__name__}")
-        self.stage = get_stage(self.stage).name if self.stage is not None else None
-        if not isinstance(self.device, str):
-            raise TypeError(f"device must be a str, got {type(self.device).__name__}")
-        parse_device(self.device)
-        check_int("total_steps", self.total_steps, 1)
-        check_int("checkpoint_every", self.checkpoint_every, 0)
-        check_int("world_size", self.world_size, 1)
-        if self.world_size > 1 and self.run.value_head != "plain":
-            raise ValueError("value_head must be plain under torchrun (PopArt's statistics "
-                             "would need an all-reduce of their own)")
-        batch = self.run.batch_size * self.world_size
-        if self.total_steps < batch:
-            raise ValueError(f"total_steps must be at least one batch (n_envs * n_steps * "
-                             f"world_size = {batch}), got {self.total_steps}")
-        self.n_iterations = self.total_steps // batch
-        self.run = self.run.replace(lr_horizon=self.n_iterations)
-
-    @classmethod
-    def flat(cls, **kwargs) -> TrainConfig:
-        """Build from one flat set of keywords: RunConfig fields go to ``run``."""
-        run, own = split_run_fields(kwargs)
-        return cls(run=RunConfig(**run), **own)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (saved in checkpoints and summary.json); derived fields included."""
-        return {"run": self.run.to_dict(), **{f.name: getattr(self, f.name)
-                                              for f in fields(self) if f.name != "run"}}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        init = {f.name for f in fields(cls) if f.init}
-        kwargs = {k: v for k, v in data.items() if k in init and k != "run"}
-        return cls(run=RunConfig.from_dict(data["run"]), **kwargs)
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -198,6 +135,24 @@ class Run:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def device_type(cfg: TrainConfig | None, out: Path, resume: bool) -> str:
+    """The type of device a torchrun run trains on, known before any rank talks to another
+    (the process group's backend depends on it): from ``cfg``, or for ``resume`` from the
+    run's config.json (every rank sees the folder). Where that cannot be read, "auto"'s
+    choice; rank 0's door then reports what is wrong with the folder."""
+    device = cfg.device if cfg is not None else "auto"
+    if cfg is None and resume:
+        try:
+            saved = _config_json(out).get("device")
+            device = saved if parse_device(saved) is not None else device
+        except (OSError, ValueError, TypeError):
+            pass
+    try:
+        return resolve_device(device).type
+    except ValueError:  # CUDA named but absent: the door says so in one line
+        return "cpu"
 
 
 def open_run(cfg: TrainConfig | None, out: str | Path | NewFolder, *, resume: bool = False,
@@ -299,7 +254,7 @@ def _saved_run(cfg: TrainConfig | None, out: Path) -> tuple[TrainConfig, dict | 
         saved = checkpoint.check(checkpoint.load(ckpt_path), ckpt_path)
         source, data = ckpt_path, saved["config"]
     else:
-        source, data = cfg_path, read_json_object(cfg_path, *_CONFIG_JSON)
+        source, data = cfg_path, _config_json(out)
     saved_cfg = _config_in(data, source)
     if cfg is not None and cfg.to_dict() != saved_cfg.to_dict():
         raise ValueError(f"cfg differs from the config saved in {source}; pass cfg=None to "
@@ -329,7 +284,8 @@ def _go_on_from(run: Run) -> None:
     """Where ``run`` goes on from: iteration 0, or the checkpoint's (refused on another kind
     of device, with torch's intra-op thread count set to the checkpoint's: CPU kernels may
     split a reduction by thread, and the same count resumes bit for bit), the metrics kept
-    up to it, and the summary of a run already complete."""
+    up to it and the checkpoint's choices of model math checked against the stage, or the
+    summary of a run already complete."""
     saved = run.saved
     if saved is None:
         run.kept = _read_metrics(run.out / METRICS, 0) if run.group.is_main else []
@@ -351,6 +307,27 @@ def _go_on_from(run: Run) -> None:
                              "delete it and --resume writes it again") from None
         return
     run.kept = _read_metrics(run.out / METRICS, run.start) if run.group.is_main else []
+    _check_choices(saved, run.cfg, run.checkpoint_path)
+
+
+def _check_choices(saved: dict, cfg: TrainConfig, ckpt_path: Path) -> None:
+    """The checkpoint's choices fit the stage that trains: ``executor_choices`` (absent in a
+    checkpoint from before runs chose) names exactly the parts the stage chooses for (its
+    ``CompiledIfFaster`` slots), and ``conv_choices`` are made only where the agent has the
+    conv body (the ladder's agent has it unless the run's model is another body)."""
+    stage = get_stage(cfg.stage)
+    chooses = sorted(part for part, executor in (("rollout", stage.rollout_executor),
+                                                 ("update", stage.update_executor))
+                     if isinstance(executor, CompiledIfFaster))
+    made = saved.get("executor_choices")
+    if made is not None and sorted(made) != chooses:
+        raise checkpoint.CheckpointError(
+            f"{ckpt_path}: field 'executor_choices' names {sorted(made)}, but stage "
+            f"{stage.name} chooses for {chooses}")
+    if saved.get("conv_choices") and cfg.run.model != "conv":
+        raise checkpoint.CheckpointError(
+            f"{ckpt_path}: field 'conv_choices' names how convolutions run, but the agent "
+            f"of stage {stage.name} has no conv body")
 
 
 def _read_metrics(path: Path, keep_through: int) -> list[dict]:
@@ -402,6 +379,12 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
             for k, v in _flat(value, f"{prefix}.{key}" if prefix else str(key)).items()}
 
 
+def _config_json(out: Path) -> dict:
+    """The object in ``out``'s config.json (the one reader of that file); CheckpointError
+    naming it where it is torn, not JSON, or not an object."""
+    return read_json_object(out / CONFIG, "a run config object", checkpoint.CheckpointError)
+
+
 def _config_in(data: dict, source: Path, advice: str = "") -> TrainConfig:
     """The run config ``data`` read from ``source``, or CheckpointError naming the file."""
     try:
@@ -416,8 +399,7 @@ def _check_same_run(saved_cfg: TrainConfig, ckpt_path: Path, cfg_path: Path) -> 
     copied or misplaced file would mix two runs' metrics and models), naming the field."""
     recover = (f"(the checkpoint holds its own config: to resume it, delete or restore "
                f"{cfg_path})")
-    data = read_json_object(cfg_path, *_CONFIG_JSON)
-    folder = _config_in(data, cfg_path, f" {recover}").to_dict()
+    folder = _config_in(_config_json(cfg_path.parent), cfg_path, f" {recover}").to_dict()
     ours, theirs = _flat(saved_cfg.to_dict()), _flat(folder)
     derived = ("n_iterations", "run.lr_horizon")  # computed: name what was edited first
     for key in sorted(set(ours) | set(theirs), key=lambda k: (k in derived, k)):

@@ -97,10 +97,10 @@ def _baseline_ops(twin: Stage, cfg: RunConfig, device: torch.device,
            repr(sorted(conv_kept.items())))
     if key not in _BASELINES:
         with Pipeline(twin, cfg, device) as clean:
-            clean.keep_choices({part: {"kept": kind, "why": "the diagnosed pipeline's"}
-                                for part, kind in kept.items() if part in clean.choices})
-            if conv_kept and clean.conv_body is not None:
-                clean.keep_conv_math({part: {"kept": math, "why": "the diagnosed pipeline's"}
+            clean.math.keep_choices({part: {"kept": kind, "why": "the diagnosed pipeline's"}
+                                for part, kind in kept.items() if part in clean.math.choices})
+            if conv_kept and clean.math.conv_body is not None:
+                clean.math.keep_conv_math({part: {"kept": math, "why": "the diagnosed pipeline's"}
                                       for part, math in conv_kept.items()})
             warmup(clean)
             _BASELINES[key] = watched(clean)
@@ -239,8 +239,8 @@ def _judge(pipe: Pipeline, m: Measurements, report: Report, iterations: int,
     twin = without_graphs(STAGES[pipe.stage.index])  # the clean stage, judged the same way
     if baseline:
         base = m.watch if pipe.stage == twin else _baseline_ops(twin, cfg, device,
-                                                                pipe.executor_choices,
-                                                                pipe.conv_choices)
+                                                                pipe.math.executor_choices,
+                                                                pipe.math.conv_choices)
         findings += excess_findings(m.watch, base, cfg, parts, phase_ms, it_ms)
         findings += launch_findings(m.watch, base, parts,
                                     optimizer_kind(pipe.optimizer, device))

@@ -220,12 +220,12 @@ def _build(stage: Stage, run: RunConfig, device: torch.device, row: dict) -> Pip
             row["precision_why"] = pipe.precision.why
         start = time.perf_counter()
         row["warmup_s"] = warmup(pipe)
-        row["model_math"] = pipe.model_math()
-        if pipe.executor_choices:  # what a stage that compiles where it pays kept, and why
-            row["executor_choices"] = pipe.executor_choices
+        row["model_math"] = pipe.math.kinds()
+        if pipe.math.executor_choices:  # what a stage that compiles where it pays kept, and why
+            row["executor_choices"] = pipe.math.executor_choices
             row["choose_s"] = time.perf_counter() - start - row["warmup_s"]
-        if pipe.conv_choices:  # how each part runs its convolutions, and why
-            row["conv_math"] = pipe.conv_choices
+        if pipe.math.conv_choices:  # how each part runs its convolutions, and why
+            row["conv_math"] = pipe.math.conv_choices
         mem, row["mem_kind"] = _peak_memory(device)
         row["peak_mem_mb"] = mem - base / 2**20
         return pipe

@@ -136,7 +136,7 @@ def bench_sb3(cfg: RunConfig, stage: str | int, iterations: int = 3, rounds: int
                     pipe.iteration()
                 times["labkit"].append(time.perf_counter() - start)
             name, precision = pipe.stage.name, pipe.precision.describe()
-            math, made, conv = pipe.model_math(), pipe.executor_choices, pipe.conv_choices
+            math, made, conv = pipe.math.kinds(), pipe.math.executor_choices, pipe.math.conv_choices
     finally:
         used = torch.get_num_threads()
         torch.set_num_threads(saved)

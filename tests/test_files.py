@@ -1,0 +1,169 @@
+"""Writing files (``labkit/files.py``): atomic writes that keep the previous file whole on a
+full disk or a size limit and get ordinary permissions, output folders checked up front, the
+folder lock, and no write through a link."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from labkit.app.cli import main
+from labkit.files import FolderLock, OutputError, check_output_dir, unique_folder, write_json
+from labkit.logging import SyncLogger
+from tests.runs import ROOT, TINY
+
+# ---------------------------------------------------------------- permissions and folders
+
+
+def test_files_written_atomically_get_the_permissions_of_any_new_file(tmp_path, monkeypatch):
+    """mkstemp makes owner-only files: a checkpoint a teammate cannot read is work lost too."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *TINY, "--out", "run"]) == 0
+    Path("plain").write_text("")
+    expected = Path("plain").stat().st_mode & 0o777
+    modes = {p.name: p.stat().st_mode & 0o777 for p in Path("run").iterdir() if p.is_file()}
+    assert {"checkpoint.pt", "config.json", "summary.json"} <= set(modes)
+    assert set(modes.values()) == {expected}, modes
+    os.chmod("run/summary.json", 0o640)  # a rewrite keeps the permissions it finds
+    write_json("run/summary.json", {"rewritten": True})
+    assert Path("run/summary.json").stat().st_mode & 0o777 == 0o640
+
+
+def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folders = {unique_folder("runs/train-%Y%m%d-%H%M") for _ in range(3)}
+    assert len(folders) == 3 and all(f.is_dir() for f in folders)
+
+
+def test_check_output_dir_explains_itself(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OutputError, match="exists and is not a folder"):
+        check_output_dir(tmp_path / "f")
+    assert check_output_dir(tmp_path / "new" / "deep").is_dir()
+    assert os.listdir(tmp_path / "new" / "deep") == []  # the probe file is gone
+
+
+# ---------------------------------------------------------------- the lock and links
+
+
+def test_the_lock_and_the_loggers_refuse_a_link_themselves(tmp_path):
+    """Behind the door too (the library's own callers): the lock file and a logger's path are
+    opened without following a link in their last component."""
+    from labkit.files import OutputError, open_no_follow
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (tmp_path / FolderLock.NAME).symlink_to(victim)
+    with pytest.raises(OutputError, match="is a symbolic link"):
+        FolderLock(tmp_path).acquire()
+    (tmp_path / "metrics.jsonl").symlink_to(victim)
+    for mode in ("w", "a"):
+        with pytest.raises(OutputError, match="is a symbolic link"):
+            open_no_follow(tmp_path / "metrics.jsonl", mode)
+        with pytest.raises(OutputError, match="is a symbolic link"):
+            SyncLogger(tmp_path / "metrics.jsonl", mode=mode)
+    assert victim.read_text() == "keep me"
+
+
+def test_a_deleted_or_replaced_lock_is_noticed(tmp_path):
+    lock = FolderLock(tmp_path).acquire()
+    lock.check()  # held and in place
+    (tmp_path / FolderLock.NAME).unlink()
+    from labkit.files import OutputError
+    with pytest.raises(OutputError, match="was deleted while this run held it"):
+        lock.check()
+    (tmp_path / FolderLock.NAME).write_text("another process")
+    with pytest.raises(OutputError, match="was replaced while this run held it"):
+        lock.check()
+    lock.release()
+
+
+def test_figures_and_results_replace_a_link_instead_of_writing_through_it(tmp_path):
+    """In a results folder every file is written atomically: a link at a figure's or a JSON
+    file's name is replaced by the file, and what it pointed to is untouched."""
+    from labkit.book.plots import save_figures
+    recorded = json.loads((ROOT / "results" / "ladder_cpu_quick.json").read_text())
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    out = tmp_path / "results"
+    out.mkdir()
+    for suffix in ("ladder", "scaling", "phases", "learning"):
+        (out / f"x_{suffix}.png").symlink_to(victim)
+    (out / "x.json").symlink_to(tmp_path / "dangling")
+    written = save_figures(recorded, out, "x")
+    write_json(out / "x.json", {"a": 1})
+    assert len(written) == 4 and victim.read_text() == "keep me"
+    assert not (tmp_path / "dangling").exists()
+    for path in [*written, out / "x.json"]:
+        assert not path.is_symlink() and path.stat().st_size > 0
+
+
+# ---------------------------------------------------------------- a full disk
+
+
+_FSIZE_SCRIPT = """
+import resource, signal, sys
+from pathlib import Path
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from labkit.files import describe_os_error, save_figure, write_json
+out = Path(sys.argv[1])
+for name, write in (("big.json", lambda p: write_json(p, {"x": "y" * 100_000})),
+                    ("fig.png", lambda p: save_figure(plt.figure(figsize=(20, 20)), p, dpi=200))):
+    try:
+        write(out / name)
+    except OSError as err:
+        print(describe_os_error(err))
+"""
+
+
+@pytest.mark.slow
+def test_a_write_past_a_file_size_limit_keeps_the_previous_file_and_names_it(tmp_path):
+    """A real RLIMIT_FSIZE (what a quota or a full disk does to a write): the JSON and the
+    figure that were there stay whole, and the error names the file and says so."""
+    (tmp_path / "big.json").write_text('{"old": true}\n')
+    (tmp_path / "fig.png").write_bytes(b"old image")
+    done = subprocess.run([sys.executable, "-c", _FSIZE_SCRIPT, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, (done.stdout, done.stderr)
+    for line, name in zip(lines, ("big.json", "fig.png")):
+        assert "File too large" in line and f"{tmp_path / name} is kept as it was" in line
+    assert (tmp_path / "big.json").read_text() == '{"old": true}\n'
+    assert (tmp_path / "fig.png").read_bytes() == b"old image"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 64 KiB tmpfs (root only, where mounting is allowed), unmounted after."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+def test_a_full_disk_keeps_the_previous_file_and_names_it(small_disk):
+    from labkit.files import describe_os_error
+    old = small_disk / "results.json"
+    write_json(old, {"old": True})
+    with pytest.raises(OSError) as caught:
+        write_json(old, {"x": "y" * 200_000})
+    said = describe_os_error(caught.value)
+    assert "No space left on device" in said and f"{old} is kept as it was" in said, said
+    assert json.loads(old.read_text()) == {"old": True}
+    assert [p.name for p in small_disk.iterdir()] == ["results.json"]

@@ -1,0 +1,196 @@
+"""Stops (``labkit/signals.py`` and the commands' handling of them): SIGINT, SIGTERM and SIGHUP
+save what finished and exit 128 + the signal with one line; a stop is never lost, not during a
+save, nor swallowed, nor while a pipeline builds. Sections 3 and 4 of the reliability issue."""
+from __future__ import annotations
+
+import json
+import signal
+import warnings
+from pathlib import Path
+
+import pytest
+
+from labkit.app import checkpoint
+from labkit.stages import Pipeline
+from tests.runs import TINY, finish, metrics_lines, run_cli, start_training, wait_for
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_save_and_exit_128_plus_signal(tmp_path, sig):
+    # Once in CI (2026-11-25, a fresh clone) a run did not exit within 120 s of SIGTERM; not
+    # reproduced in 25 runs here. A first hang is shown with every thread's stack and tried
+    # again in a new folder; a second one fails.
+    for attempt in (1, 2):
+        out = tmp_path / f"r{attempt}"
+        proc = start_training(out, "--checkpoint-every", "0")
+        wait_for(lambda out=out: metrics_lines(out) >= 2, what="two iterations")
+        proc.send_signal(sig)
+        try:
+            _, err = finish(proc)
+            break
+        except pytest.fail.Exception as hang:
+            if attempt == 2:
+                raise
+            warnings.warn(f"a stopped run hung; once more: {hang}", stacklevel=1)
+    assert proc.returncode == 128 + sig, err
+    assert f"interrupted by {signal.Signals(sig).name}" in err and "--resume" in err
+    saved = checkpoint.load(out / "checkpoint.pt")["state"]["iteration"]
+    # the state of the last finished iteration (its metrics line may be one ahead of it)
+    assert saved >= 1 and metrics_lines(out) in (saved, saved + 1)
+
+
+def slow_save_prefix(marker: Path) -> str:
+    """Script lines that make every checkpoint save touch ``marker`` and take 1.5 s."""
+    return ("import time, pathlib, labkit.app.checkpoint as c\n_save = c.save\n"
+            "def slow_save(path, payload):\n"
+            f"    pathlib.Path({str(marker)!r}).touch()\n"
+            "    time.sleep(1.5)\n    return _save(path, payload)\nc.save = slow_save")
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_during_the_save_does_not_lose_it(tmp_path):
+    out = tmp_path / "r"
+    marker = tmp_path / "saving"
+    prefix = slow_save_prefix(marker)
+    proc = start_training(out, "--checkpoint-every", "0", script_prefix=prefix)
+    wait_for(lambda: metrics_lines(out) >= 2, what="two iterations")
+    proc.send_signal(signal.SIGINT)
+    wait_for(marker.exists, what="the save to start")
+    proc.send_signal(signal.SIGINT)  # while saving
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "nothing saved" not in err and "interrupted by SIGINT" in err
+    iteration = checkpoint.load(out / "checkpoint.pt")["state"]["iteration"]
+    assert f"state after iteration {iteration}" in err and iteration >= 1
+
+
+@pytest.mark.slow
+def test_a_stop_during_a_periodic_save_stops_training_after_it(tmp_path):
+    out = tmp_path / "r"
+    marker = tmp_path / "saving"
+    prefix = slow_save_prefix(marker)
+    proc = start_training(out, "--checkpoint-every", "1", script_prefix=prefix)
+    wait_for(marker.exists, what="the first periodic save")
+    proc.send_signal(signal.SIGTERM)  # while saving iteration 1
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    iteration = checkpoint.load(out / "checkpoint.pt")["state"]["iteration"]
+    assert iteration == 1 and metrics_lines(out) == 1  # it did not train on
+
+
+def signal_on_call(monkeypatch, owner, name: str, sig: int, call: int = 1,
+                   swallow: bool = False) -> list:
+    """Make the ``call``-th call of ``owner.name`` send ``sig`` to this process first (a real
+    signal, handled by whatever handler is installed); ``swallow``: catch the stop it raises,
+    as code that clears every error does (torch.compile's guards)."""
+    real, calls = getattr(owner, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            try:
+                signal.raise_signal(sig)
+            except KeyboardInterrupt:
+                if not swallow:
+                    raise
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapped)
+    return calls
+
+
+def test_a_stop_that_something_swallows_is_never_lost(tmp_path, monkeypatch, capsys):
+    """C-SIGINT-ignored-once: a torch.compile guard whose Python check raises is cleared and
+    counted as failed, so a Ctrl-C landing in one vanished and the run trained to its end.
+    The stop is remembered and taken at the end of the iteration it landed in."""
+    calls = signal_on_call(monkeypatch, Pipeline, "iteration", signal.SIGINT, call=3,
+                           swallow=True)
+    out = tmp_path / "r"
+    code, _, err = run_cli(["train", *TINY[:-3], "--total-steps", "640", "--checkpoint-every",
+                            "0", "--no-progress", "--out", str(out)], capsys)
+    assert code == 130 and "interrupted by SIGINT" in err and "--resume" in err, err
+    assert len(calls) == 3 and metrics_lines(out) == 3
+    assert checkpoint.load(out / "checkpoint.pt")["state"]["iteration"] == 3
+
+
+def test_raise_if_stopped_raises_only_a_stop_caught_in_its_block():
+    from labkit.signals import Stop, raise_if_stopped, stop_signals
+
+    raise_if_stopped()  # outside any block: nothing
+    with stop_signals():
+        raise_if_stopped()
+        with pytest.raises(Stop):
+            signal.raise_signal(signal.SIGHUP)
+        with pytest.raises(Stop) as stop:
+            raise_if_stopped()
+        assert stop.value.signum == signal.SIGHUP
+        with stop_signals():
+            raise_if_stopped()  # an inner block caught nothing
+    raise_if_stopped()
+
+
+def test_a_stop_while_the_pipeline_builds_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    """C-sigint-during-build-message, C-startup-SIGTERM-1.0s: config.json is written, so the
+    same command again is refused; the stop says so and gives the --resume hint."""
+    import labkit.app.train
+
+    signal_on_call(monkeypatch, labkit.app.train, "build_pipeline", signal.SIGTERM)
+    out = tmp_path / "r"
+    argv = ["train", *TINY, "--out", str(out)]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 143 and "SIGTERM before training started" in err
+    assert "holds the run's config" in err and f"--resume {out}" in err
+    assert (out / "config.json").exists() and not (out / "checkpoint.pt").exists()
+    monkeypatch.undo()
+    assert run_cli(argv, capsys)[0] == 2  # the folder holds the run
+    code, stdout, _ = run_cli(["train", "--resume", str(out), "--no-progress"], capsys)
+    assert code == 0 and "trained 128 steps" in stdout
+
+
+def _bench_env(tmp_path):
+    return ["bench-env", "--device", "cpu", "--n-envs", "64", "--repeats", "3", "--out",
+            str(tmp_path)]
+
+
+@pytest.mark.parametrize("case", ["bench-env-round-2", "bench-env-round-1", "doctor",
+                                  "profile",
+                                  pytest.param("ladder-figures", marks=pytest.mark.slow)])
+def test_every_command_stops_alike_on_a_signal(tmp_path, monkeypatch, capsys, case):
+    """bench-env, doctor, profile and ladder (also while writing figures): one line, exit
+    128 + the signal, and what finished is kept (C-bench-env-SIGTERM, C-doctor-SIGTERM,
+    C-profile-SIGHUP, C-ladder-SIGTERM-while-saving-figures)."""
+    import labkit.book.plots
+    import labkit.measure.envbench
+
+    sig = signal.SIGHUP if case == "profile" else signal.SIGTERM
+    if case.startswith("bench-env"):  # 4 implementations per round
+        call = 6 if case.endswith("2") else 2
+        signal_on_call(monkeypatch, labkit.measure.envbench, "timed", sig, call=call)
+        argv = _bench_env(tmp_path)
+    elif case == "ladder-figures":
+        signal_on_call(monkeypatch, labkit.book.plots, "save_figures", sig)
+        argv = ["ladder", "--device", "cpu", "--stages", "3", "--n-envs", "4", "--n-steps",
+                "8", "--iterations", "2", "--no-scaling", "--no-progress", "--out",
+                str(tmp_path)]
+    else:
+        signal_on_call(monkeypatch, Pipeline, "iteration", sig, call=2)
+        argv = {"doctor": ["doctor", "--device", "cpu", "--stage", "4", "--iterations", "5"],
+                "profile": ["profile", "--device", "cpu", "--stage", "4", "--n-envs", "8",
+                            "--n-steps", "16", "--out", str(tmp_path)]}[case]
+    code, _, err = run_cli(argv, capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 128 + sig and len(lines) == 1, err
+    assert f"interrupted by {signal.Signals(sig).name}" in lines[0]
+    files = sorted(p.name for p in tmp_path.iterdir())
+    if case == "bench-env-round-2":
+        assert files == ["bench_env_cpu_partial.json"] and "1 round(s)" in lines[0]
+        result = json.loads((tmp_path / files[0]).read_text())
+        assert result["interrupted"] == "SIGTERM" and result["repeats"] == 1
+        assert all(len(r["samples_s"]) == 1 for r in result["rows"])
+    elif case == "ladder-figures":  # the stop waited for the figures (no scaling: no sweep)
+        assert files == ["ladder_cpu_quick.json", "ladder_cpu_quick_ladder.png",
+                         "ladder_cpu_quick_learning.png", "ladder_cpu_quick_phases.png"]
+        assert "while writing the results; they are all written" in lines[0]
+    else:
+        assert files == [] and "stopped" in lines[0]
