@@ -8,11 +8,22 @@ Tiers (markers registered in pyproject.toml):
   takes more than about 2 s on a 2-core CPU (``make test`` prints the 25 slowest, so the split
   stays honest);
 - ``notebook``: every cell that nbval collects from ``notebooks/*.ipynb`` (marked here);
-- ``cuda``: needs a CUDA device (skipped without one).
+- ``cuda``: needs a CUDA device (skipped without one);
+- ``inductor``: its subject is what inductor generates (compiled-step parity, compiled kernel
+  counts, the warm-up's real timing of compiled code): it compiles with inductor, as a user's
+  ``torch.compile`` does. Every other test's ``torch.compile`` without a ``backend=`` compiles
+  with ``aot_eager`` instead (the fixture below): dynamo still traces, with ``fullgraph=True``
+  where labkit asks for it (a graph break or a recompile still fails), and autograd still runs
+  through AOT's joint graph; only inductor's code generation and its C++ compile, most of a
+  cold compile's time on a CPU, are skipped.
 
 ``make test`` runs everything (CI: ``.ci/run``); ``make test-fast`` runs
-``-m "not slow and not notebook" tests``, about a minute on 2 cores.
+``-m "not slow and not notebook" tests``, under a minute on 2 quiet cores from a cold
+compile cache. Both print their time by file at the end (:func:`pytest_terminal_summary`).
 """
+import functools
+from collections import defaultdict
+
 import pytest
 import torch
 
@@ -44,6 +55,47 @@ def tiny_run() -> RunConfig:
     """The tiny run: 8 envs x 16 steps, the default world (a fresh one per test: it is
     mutable)."""
     return RunConfig(n_envs=8, n_steps=16)
+
+
+_real_compile = torch.compile
+
+
+@functools.wraps(_real_compile)
+def _aot_eager_compile(model=None, **kwargs):
+    """``torch.compile`` with ``backend="aot_eager"`` where the caller named no backend;
+    inductor's own ``mode`` and ``options`` are dropped with it (aot_eager takes neither)."""
+    if "backend" not in kwargs:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("mode", "options")}
+        kwargs["backend"] = "aot_eager"
+    if model is None:  # torch.compile(**kwargs) as a decorator
+        return lambda fn: _real_compile(fn, **kwargs)
+    return _real_compile(model, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _compile_backend(request, monkeypatch):
+    """Every test but an ``inductor`` one compiles with aot_eager (the tiers above)."""
+    if request.node.get_closest_marker("inductor") is None:
+        monkeypatch.setattr(torch, "compile", _aot_eager_compile)
+
+
+_SECONDS_BY_FILE: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _SECONDS_BY_FILE[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The run's time by file (setup, call and teardown summed), the slowest first: the
+    tiers' budgets stay visible in every run's log."""
+    if not _SECONDS_BY_FILE:
+        return
+    rows = sorted(_SECONDS_BY_FILE.items(), key=lambda kv: -kv[1])
+    total = sum(_SECONDS_BY_FILE.values())
+    terminalreporter.section(f"time by file: {total:.1f} s in tests, {len(rows)} files")
+    for path, seconds in rows:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:5.1f}%  {path}")
 
 
 def pytest_runtest_setup(item):

@@ -58,6 +58,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_the_site_is_built_from_every_chapter_in_the_readme(served):
     out, _ = served
     stems = [stem for stem, _ in site.chapters()]

@@ -143,6 +143,8 @@ def test_stage_7_compiles_where_it_pays_and_stage_5_always_compiles():
     assert type(get_stage("cuda_graphs").update_executor.base).__name__ == "Compiled"
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 def test_the_warmup_decides_and_undoes_what_it_ran():
     cfg = RunConfig(n_envs=8, n_steps=8, spec=SPEC, conv_math="conv2d")  # fresh's convolutions
     with Pipeline(_stage(), cfg, "cpu") as pipe, Pipeline(_stage(), cfg, "cpu") as fresh:

@@ -111,6 +111,7 @@ def test_copy_this_runs_alone(path, tmp_path):
         assert ok, f"{path.name} printed\n{done.stdout}\nnot\n{expected}"
 
 
+@pytest.mark.slow
 def test_the_block_works(tmp_path):
     """The hook really keeps labkit out (it is installed editable in this venv)."""
     done = run_alone("import labkit\n", tmp_path)
@@ -134,6 +135,7 @@ def test_every_read_counter_is_chapter_01s():
         name for name, c in embedded.items() if c != original]
 
 
+@pytest.mark.slow
 def test_chapter_05s_logger_takes_numbers_and_never_hangs_on_a_dead_writer(tmp_path):
     """What a review reproduced in 05's snippet: a Python number logged, a tensor that needs
     grad logged (its value, not its graph), and a sink that fails while the queue is full:

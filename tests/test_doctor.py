@@ -140,6 +140,7 @@ def test_unfused_adam_is_found_by_its_launches_not_by_its_counter_reads(reports)
     assert "% of the iteration" not in text and "launch overhead on a GPU, not timed here" in text
 
 
+@pytest.mark.slow
 def test_host_scalar_reads_are_no_sync_finding():
     """Stage 6 at a small N reads Adam's 10 CPU step counters per minibatch step and the
     device metrics once per update: the counters are host-scalar reads (no finding), the one
@@ -269,6 +270,7 @@ def test_the_clean_final_stage_has_no_findings_at_other_sizes(n_envs):
     assert report.findings == [], report.format()
 
 
+@pytest.mark.slow
 def test_stage_0_yields_its_device_reads():
     n = 4
     report = diagnose("python_loop", cfg=RunConfig(n_envs=n, n_steps=8), device=CPU,

@@ -99,6 +99,7 @@ def run_parity(envs: dict, n_envs: int, steps: int, action_seed: int = 0) -> dic
     return {"rewards": np.array(rewards), "truncations": truncations}
 
 
+@pytest.mark.slow
 def test_parity_16_envs_1000_steps() -> None:
     spec, n_envs, steps = ForageSpec(), 16, 1000
     stats = run_parity(make_envs(spec, n_envs, seed=0), n_envs, steps)
@@ -255,6 +256,7 @@ def test_step_ops() -> None:
     assert f"A step is {sum(mid.values())} non-view ops" in module.__doc__
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.parametrize("device, options", [
     ("cpu", None), ("cpu", {"cpp.simdlen": 0}),  # bench-env's "+compile scalar" on the CPU

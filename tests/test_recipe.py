@@ -92,6 +92,8 @@ def _compare(args, run, stage: str) -> None:
     assert moved > 10 * ATOL  # the update really changed the parameters
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 def test_recipe_matches_the_final_cpu_stage():
     args, run = _configs("cpu")
     _compare(args, run, "fused_amp")

@@ -104,6 +104,7 @@ def test_warmup_restore_and_reset_with_graphs(stage_7):
         assert p.global_step == 0 and {k: float(v) for k, v in p.iteration().items()} == first
 
 
+@pytest.mark.slow
 def test_measure_stage_8_is_ok_with_one_read_per_iteration(cpu):
     with rehearsal():
         row = measure_stage(GRAPHED, BenchConfig(run=RUN, iterations=2), cpu)
@@ -111,6 +112,7 @@ def test_measure_stage_8_is_ok_with_one_read_per_iteration(cpu):
     assert row["host_reads_rollout_per_step"] == 0 and row["host_reads_per_iter"] == 1
 
 
+@pytest.mark.slow
 def test_train_stage_8_resumes_bit_exactly(tmp_path):
     from labkit.app import checkpoint
     from labkit.app.train import TrainConfig, train

@@ -48,8 +48,17 @@ def test_case_outcome(case: rc.Case) -> None:
             f"{case.id}: KNOWN says {known}, the outcome is now {result.outcome}; {said}")
 
 
+#: The classes where building a case inside the rehearsal changes what the rehearsal knows
+#: (the host tensors a step keeps, an optimizer's state, what a silent failure hides): their
+#: inside variant runs in the fast tier; every other class's repeats its outside verdict, and
+#: runs in the slow tier (CI).
+INSIDE_MATTERS = ("host_memory", "optimizer", "silent")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="KNOWN_INSIDE holds CPU-only outcomes")
-@pytest.mark.parametrize("case", rc.CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=c.id, marks=() if c.issue_class in INSIDE_MATTERS else pytest.mark.slow)
+    for c in rc.CASES])
 def test_case_outcome_built_inside_a_rehearsal(case: rc.Case) -> None:
     """Built inside ``with rehearsal():``, the rehearsal knows the host tensors a step keeps
     (a CPU step counter made with the model), so those hazards are found too."""

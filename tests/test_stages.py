@@ -279,6 +279,7 @@ def test_get_stage_errors_name_the_allowed_values():
 # ---------------------------------------------------------------- every stage runs
 
 
+@pytest.mark.slow
 def test_every_stage_runs_an_iteration_on_cpu_and_graphs_say_why_not(pipelines):
     for index, p in pipelines.items():
         if index == 8:
@@ -291,6 +292,7 @@ def test_every_stage_runs_an_iteration_on_cpu_and_graphs_say_why_not(pipelines):
         assert changed, STAGES[index].name
 
 
+@pytest.mark.slow
 def test_no_component_is_patched_on_its_instance(pipelines):
     """The pipeline wraps functions where it calls them: no env or collector has an instance
     attribute standing in for one of its class's methods (``env.step = torch.compile(...)``)."""
@@ -331,6 +333,8 @@ def test_a_failing_stage_is_reported_as_an_error(monkeypatch):
 # ---------------------------------------------------------------- parity
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 def test_stages_collect_identical_rollouts():
     """Same seed -> same actions and env dynamics on every fp32 stage (bit-exact), compiled
     policy included; values agree to float32 rounding."""
@@ -353,6 +357,8 @@ def _update_result(index: int, batch, device: torch.device = CPU) -> list[torch.
         return [t.detach().clone() for t in p.agent.parameters()]
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
 @pytest.mark.parametrize("cpu_bf16", ["AMX", None], ids=["bf16-cpu", "no-bf16-cpu"])
 def test_update_of_every_stage_matches_stage_0(monkeypatch, cpu_bf16):
     """Same batch, same initial parameters -> same parameters after the update.
@@ -382,8 +388,11 @@ def test_update_of_every_stage_matches_stage_0(monkeypatch, cpu_bf16):
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize("index, device", [
-    (0, "cpu"), (1, "cpu"), (3, "cpu"), (5, "cpu"), (7, "cpu"),
+    (0, "cpu"), (1, "cpu"), (3, "cpu"),
+    pytest.param(5, "cpu", marks=pytest.mark.slow),  # inductor compiles
+    pytest.param(7, "cpu", marks=pytest.mark.slow),  # inductor, and its warmup times choices
     pytest.param(8, "cuda", marks=[needs_cuda, pytest.mark.cuda])])
 def test_warmup_then_restore_computes_what_a_fresh_pipeline_computes(index, device):
     """warmup() runs an iteration and restores the state in place (the same restore a graph
@@ -500,6 +509,7 @@ def _rollout_reads_per_step(p: Pipeline) -> float:
     return m.host_reads / RUN.n_steps
 
 
+@pytest.mark.slow
 def test_host_reads_in_the_rollout_step(pipelines):
     reads = {i: _rollout_reads_per_step(p) for i, p in pipelines.items()
              if isinstance(p, Pipeline)}
@@ -532,6 +542,10 @@ def test_a_row_and_the_ladder_say_why_a_precision_was_chosen(monkeypatch, cpu_bf
     table."""
     from labkit.measure.bench import _build, format_ladder
 
+    # stage 7 with and without bf16 adds compiled variants of the agent's call: the tests
+    # before it in this process (every stage, both conv maths, both precisions) already hold
+    # up to dynamo's recompile limit of them (stage 7 then ran eagerly and warmup failed)
+    torch._dynamo.reset()
     monkeypatch.setattr(labkit.device, "cpu_bf16", lambda: cpu_bf16)
     monkeypatch.setattr(labkit.precision, "cpu_bf16", lambda: cpu_bf16)
     rows = []
@@ -583,6 +597,7 @@ def test_each_group_of_a_sweep_starts_from_empty_compile_caches(monkeypatch):
     assert events == ["reset", 8, "reset", 8, "reset", 16]
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 def test_ladder_twice_does_not_grow_memory():
     """RSS after a second ladder stays within 64 MiB of the first (allocator noise,

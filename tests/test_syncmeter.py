@@ -328,6 +328,7 @@ def test_an_op_that_returns_nothing_launches_on_its_device_inputs():
     assert launches(lambda: torch._assert_async(torch.tensor(True))) == {}
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 def test_inductors_own_reads_while_it_compiles_a_backward_lazily_are_not_counted():
     """AOT autograd compiles a backward at the first ``backward()``, outside dynamo, and
@@ -349,6 +350,7 @@ def test_inductors_own_reads_while_it_compiles_a_backward_lazily_are_not_counted
     assert m.host_reads == 1 and all("lowering" not in site for site in m.sites), m.sites
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 def test_a_compiled_region_launches_its_generated_kernels_not_zero():
     """An aten-level count sees only what compiled code calls out to; the launch count adds

@@ -168,6 +168,7 @@ def _compile_then_watch(fn, arguments, recompile_limit=8):
     return w.report()
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 def test_a_function_that_keeps_recompiling_and_then_falls_back_to_eager():
     """A Python number changing each call fails a guard each time: new graphs after warm-up,
@@ -199,6 +200,7 @@ def test_a_function_that_stops_recompiling_is_no_growth():
     assert [f.kind for f in r.findings if f.kind == "recompile"] == ["recompile"]
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 def test_the_kernels_a_compiled_region_generates_are_counted_as_the_profiler_sees_them():
     """Counted from the generated wrapper's source, checked against the profiler's events of
@@ -246,6 +248,7 @@ def test_the_generated_kernels_of_a_gpu_wrapper_are_read_too():
     assert generated_launches("def call(args):\n    return args\n") == ()
 
 
+@pytest.mark.inductor
 @pytest.mark.cuda
 def test_the_triton_kernels_of_a_compiled_region_are_counted_as_the_profiler_sees_them():
     """On a GPU: the kernels read from each compiled graph's real wrapper, counted per call,
