@@ -17,7 +17,7 @@ test: $(STAMP) chromium  ## unit tests + every notebook under nbval + the book i
 	$(BIN)/python -m pytest --nbval --nbval-current-env \
 	    --nbval-sanitize-with tests/nbval_sanitize.cfg --durations=25 tests notebooks
 
-test-fast: $(STAMP)  ## the inner loop, ~1 min on 2 cores: unit tests but the slow ones, no notebooks
+test-fast: $(STAMP)  ## the inner loop: unit tests but the slow ones, no notebooks; time by file at the end
 	$(BIN)/python -m pytest -m "not slow and not notebook" --durations=5 tests
 
 # torch 2.11 is the version on the GPU machines README's "Recording on a GPU" targets; its CPU

@@ -337,6 +337,16 @@ class StageSkipped(ValueError):
         return type(self), (self.stage, self.device, self.reason, self.cause)
 
 
+def without_graphs(stage: Stage) -> Stage:
+    """``stage`` with each :class:`~labkit.executors.Graphed` executor replaced by its ``base``
+    (``stage`` itself if it has none): a CUDA graph replays exactly the ops of the eager step
+    it captured, so this runs the same work, with every op, read and tensor visible."""
+    swaps = {slot: ex.base for slot, ex in (("rollout_executor", stage.rollout_executor),
+                                               ("update_executor", stage.update_executor))
+             if isinstance(ex, Graphed)}
+    return replace(stage, **swaps) if swaps else stage
+
+
 class Pipeline:
     """One stage assembled on a device: ``iteration()`` = rollout + GAE + PPO update.
 

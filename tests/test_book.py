@@ -145,6 +145,7 @@ _MEASURE = """() => {
 }"""
 
 
+@pytest.mark.slow
 def test_every_page_shows_its_notebook_to_a_reader_in_chromium(served):
     """Each page loads with no console error and no request to another host; shows as many
     code cells and images as its notebook, every image loaded, each text output's first line;

@@ -535,6 +535,7 @@ def test_phases_and_ceiling_are_measured():
     assert 0 <= row["marks_overhead"] < 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cpu_bf16", ["AVX-512 BF16", None])
 def test_a_row_and_the_ladder_say_why_a_precision_was_chosen(monkeypatch, cpu_bf16):
     """Stage 7's precision component chooses on the device and says why, in its ladder row;

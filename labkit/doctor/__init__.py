@@ -1,15 +1,20 @@
-"""Diagnosis: what regressed in a training loop, and where.
+"""Diagnosis: what regressed in a training loop, and where; three instruments and their parts.
 
 * ``checkup``: :func:`diagnose` runs a stage (or your pipeline) a few iterations under the
-  meters (``meters``), judges what they measured (``findings``) and reports each regression
-  with its evidence and the chapter that fixes it (``report``);
+  meters and reports each regression with its evidence and the chapter that fixes it;
+* ``meters``: what the doctor measures besides time (calls by site, memory, dynamo's state);
+* ``findings``: how it judges what it measured; ``report``: the :class:`Finding` it reports;
 * ``plants``: the regressions the chapters plant on purpose, each from a real report;
-* ``rehearsal``: a CUDA-graph capture rehearsed on the CPU (``labkit.rehearse``).
+* ``watch``: ``labkit.watch``, the same kind of meters around any PyTorch code;
+* ``rehearsal``: a CUDA-graph capture rehearsed on the CPU (``labkit.rehearse``), with
+  ``standin`` (the ``torch.cuda`` stand-ins and the rehearsal context), ``origins`` (where a
+  step's tensors were made), ``frozen`` (what a capture freezes) and ``kernel_syncs`` (the
+  kernels that read the device from inside).
 """
 from __future__ import annotations
 
+from ..stages import without_graphs
 from .checkup import DOCTOR_RUN, diagnose
-from .findings import without_graphs
 from .report import KINDS, Finding, Report
 
 __all__ = ["DOCTOR_RUN", "KINDS", "Finding", "Report", "diagnose", "without_graphs"]

@@ -54,7 +54,7 @@ from ..config import RunConfig
 from ..device import resolve_device
 from ..distributed import SINGLE
 from ..measure.bench import timed_iteration
-from ..stages import STAGES, Pipeline, Stage, StageSkipped, get_stage
+from ..stages import STAGES, Pipeline, Stage, StageSkipped, get_stage, without_graphs
 from .findings import (
     ALLOCATIONS,
     Parts,
@@ -67,7 +67,6 @@ from .findings import (
     optimizer_kind,
     precision_findings,
     site_findings,
-    without_graphs,
 )
 from .meters import Measurements, dynamo_state, memory_snapshot, metered, watched
 from .report import KINDS, Finding, Report

@@ -9,7 +9,6 @@ import statistics
 import traceback
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,10 +16,10 @@ import torch
 from .. import capture, policy, ppo, precision, stages, timing, update
 from ..config import RunConfig
 from ..envs import ForagePyList, ForageTorchLoop
-from ..executors import Compiled, CompiledIfFaster, Graphed
+from ..executors import Compiled, CompiledIfFaster
 from ..measure.syncmeter import parse_site, short_path, source_line
 from ..rollout import HostBatchedCollector, PerEnvCollector
-from ..stages import STAGES, Pipeline, Stage
+from ..stages import STAGES, Pipeline, Stage, without_graphs
 from .meters import TORCH_DIR, Measurements
 from .report import Finding, rate
 
@@ -456,16 +455,6 @@ def error_finding(err: Exception, parts: Parts, phase: str) -> Finding:
     return Finding(kind, parts.describe(slot), summary,
                    {"error": type(err).__name__, "message": first, "explanation": explanation,
                     "user_code": frames}, _NO_COST, *fix)
-
-
-def without_graphs(stage: Stage) -> Stage:
-    """``stage`` with each :class:`~labkit.executors.Graphed` executor replaced by its ``base``
-    (``stage`` itself if it has none): a CUDA graph replays exactly the ops of the eager step
-    it captured, so this runs the same work, with every op, read and tensor visible."""
-    swaps = {slot: ex.base for slot, ex in (("rollout_executor", stage.rollout_executor),
-                                               ("update_executor", stage.update_executor))
-             if isinstance(ex, Graphed)}
-    return replace(stage, **swaps) if swaps else stage
 
 
 def compile_findings(m: Measurements, parts: Parts, phase_ms: dict, it_ms: float,

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..measure.syncmeter import call_site, parse_site, source_lines
-from .standin import EXPLAIN, Problem, _dense, _key
+from .standin import EXPLAIN, Problem, dense_storage, storage_key
 
 
 class Tracer(TorchDispatchMode):
@@ -65,7 +65,8 @@ class Tracer(TorchDispatchMode):
             made = self._made.get(id(value))
             if made is not None:
                 return ("made", made)
-            return ("before", _key(value), value.storage_offset() if _dense(value) else 0)
+            offset = value.storage_offset() if dense_storage(value) else 0
+            return ("before", storage_key(value), offset)
         if isinstance(value, (list, tuple)):
             return type(value)(self._plain(v) for v in value)
         if isinstance(value, dict):

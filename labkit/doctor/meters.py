@@ -199,13 +199,13 @@ def memory_snapshot(pipe: Pipeline) -> dict:
     held = {f"{slot}.{attr}": _held(value, seen=set(skip))
             for slot, obj in parts.items() for attr, value in vars(obj).items()
             if id(value) not in skip and not attr.startswith("_modules")}
-    snap = {"live_tensors": live, "held": held, "rss_mb": _rss_mb()}
+    snap = {"live_tensors": live, "held": held, "rss_mb": rss_mb()}
     if pipe.device.type == "cuda":
         snap["cuda_mb"] = torch.cuda.memory_allocated(pipe.device) / 2**20
     return snap
 
 
-def _rss_mb() -> float | None:
+def rss_mb() -> float | None:
     try:
         import psutil
     except ImportError:

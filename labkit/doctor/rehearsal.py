@@ -340,8 +340,7 @@ def rehearse_stage(stage: Any, cfg: Any = None, iterations: int = 2) -> StageRep
     problems its captures found, and whether every rollout, every update's statistics and the
     parameters after each update are bit-identical."""
     from ..config import RunConfig
-    from ..stages import Pipeline, get_stage
-    from .findings import without_graphs
+    from ..stages import Pipeline, get_stage, without_graphs
 
     stage = get_stage(stage)
     cfg = cfg if cfg is not None else RunConfig(n_envs=16, n_steps=16)

@@ -238,7 +238,7 @@ def _same_generator(a: torch.Generator, b: torch.Generator) -> bool:
         b.set_state(state)
 
 
-def _dense(t: torch.Tensor) -> bool:
+def dense_storage(t: torch.Tensor) -> bool:
     """A tensor with one plain storage (not sparse, not nested)."""
     return t.layout == torch.strided and not t.is_nested
 
@@ -263,10 +263,10 @@ def _as_captured(value: Any, shapes: dict[int, tuple] | None) -> Any:
     return value
 
 
-def _key(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
     """The memory a tensor lives in: its storage's address; for a sparse or nested tensor,
     which has no single storage, the tensor itself."""
-    return t.untyped_storage().data_ptr() if _dense(t) else id(t)
+    return t.untyped_storage().data_ptr() if dense_storage(t) else id(t)
 
 
 class _Recorder(TorchDispatchMode):
@@ -305,7 +305,7 @@ class _Recorder(TorchDispatchMode):
         self._inspect(func, named)
         host = self._host_inputs(func, named)
         if host and writes and not self.rehearsal.in_read and any(
-                _key(t) not in self.made for a, v in named
+                storage_key(t) not in self.made for a, v in named
                 if a.alias_info is not None and a.alias_info.is_write for t in _tensors(v)):
             self._problem("host_op", f"{EXPLAIN['host_op']}: {func} writes the tensor made at "
                                      f"{host}")
@@ -317,15 +317,15 @@ class _Recorder(TorchDispatchMode):
             for t in _tensors(out) if not isinstance(out, tuple) else [
                     t for v in out for t in _tensors(v)]:
                 self.host[t] = host
-        inputs = {_key(t) for _, v in named for t in _tensors(v)}
+        inputs = {storage_key(t) for _, v in named for t in _tensors(v)}
         fresh: list[tuple | None] = []
         for ret, value in _returns(schema, out):
             if ret.alias_info is None and isinstance(value, torch.Tensor) \
-                    and _key(value) not in inputs:
-                self.made.add(_key(value))
+                    and storage_key(value) not in inputs:
+                self.made.add(storage_key(value))
                 self.fresh.append(value)
                 fresh.append((value, *((tuple(value.shape), value.stride(),
-                                        value.storage_offset()) if _dense(value) else ())))
+                                        value.storage_offset()) if dense_storage(value) else ())))
             else:
                 fresh.append(None)
         pure_view = not writes and all(r.alias_info is not None for r in schema.returns)
@@ -337,13 +337,13 @@ class _Recorder(TorchDispatchMode):
         self.ops.append(_Op(func, args, kwargs, fresh, runs, rng_state,
                             (torch.is_grad_enabled(), torch.is_inference_mode_enabled()),
                             {id(t): (tuple(t.shape), t.stride(), t.storage_offset())
-                             for _, v in named for t in _tensors(v) if _dense(t)}))
+                             for _, v in named for t in _tensors(v) if dense_storage(t)}))
         return out
 
     def _save(self, t: torch.Tensor) -> None:
-        key = _key(t)
+        key = storage_key(t)
         if key and key not in self.made and key not in self.saved:
-            target = t.untyped_storage() if _dense(t) else t
+            target = t.untyped_storage() if dense_storage(t) else t
             self.saved[key] = (target, target.clone())
 
     def _inspect(self, func, named: list) -> None:
@@ -447,7 +447,7 @@ class _Recorder(TorchDispatchMode):
             for gen, state in self.generators.values():
                 gen.set_state(state)
             for t in self.fresh:  # an inference_mode step's tensors in that mode
-                if not _dense(t):
+                if not dense_storage(t):
                     t = t._values() if t.layout == torch.sparse_coo else None
                     if t is None:  # a nested tensor's buffers: left as the capture made them
                         continue

@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..measure import hostflow
 from ..measure.kernels import compiled_kernels
 from ..measure.syncmeter import SyncMeter, call_site, short_path
-from .meters import _rss_mb, dynamo_state
+from .meters import dynamo_state, rss_mb
 
 #: The chapter that teaches the fix of each finding's kind.
 CHAPTERS = {"device_read": "07_metrics_on_the_device (and 02, 'Sampling an action without a "
@@ -323,7 +323,7 @@ class watch:  # noqa: N801 - a context manager, used like torch's
     def step(self) -> None:
         """One iteration ends: count it and take the memory snapshot."""
         self.iterations += 1
-        snap: dict[str, Any] = {"iteration": self.iterations, "rss_mb": _rss_mb()}
+        snap: dict[str, Any] = {"iteration": self.iterations, "rss_mb": rss_mb()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             snap["cuda_allocated_mb"] = torch.cuda.memory_allocated() / 2**20
             snap["cuda_reserved_mb"] = torch.cuda.memory_reserved() / 2**20
