@@ -1,6 +1,8 @@
 """Forage: the four implementations agree bit for bit; the torch one never syncs."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -380,6 +382,26 @@ def test_bench_envs_small() -> None:
     assert result["fastest"][16]["impl"] in ("ForageNumpy", "ForageTorch")
     text = format_table(result)
     assert "ForageTorchLoop" in text and "N=16: fastest" in text and result["meta"]["torch"]
+
+
+def test_bench_env_torch_only_times_forage_torch_alone(tmp_path, capsys) -> None:
+    """``--torch-only``: ForageTorch's rows alone at every N (no NumPy or per-env loop to
+    time at a GPU's large Ns), no ratio to a ForagePy that did not run, and its own file
+    beside (never over) a whole sweep's."""
+    from labkit.app.cli import main
+
+    spec = ForageSpec(episode_length=8)
+    result = bench_envs("cpu", repeats=2, n_envs=(8, 16), spec=spec, warmup=1, torch_only=True)
+    assert [(r["impl"], r["n_envs"]) for r in result["rows"]] == [("ForageTorch", 8),
+                                                                  ("ForageTorch", 16)]
+    assert all(r["ratio_vs_py"] is None and r["steps_per_s"] > 0 for r in result["rows"])
+    assert result["torch_only"] and result["fastest"][16]["next"] is None
+    assert "ForageNumpy" not in format_table(result)
+    assert main(["bench-env", "--device", "cpu", "--repeats", "1", "--n-envs", "8",
+                 "--torch-only", "--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "bench_env_cpu_torch.json").read_text())
+    assert {r["impl"] for r in written["rows"]} == {"ForageTorch"}
+    assert not (tmp_path / "bench_env_cpu.json").exists()
 
 
 @pytest.mark.slow

@@ -106,14 +106,16 @@ def ladder(cfg: BenchConfig, device: torch.device, profile: str, out: str | Path
 
 
 def bench_env(device: torch.device, out: str | Path, *, repeats: int,
-              n_envs: list[int] | None, compiled: bool, compile_loop: int) -> int:
+              n_envs: list[int] | None, compiled: bool, compile_loop: int,
+              torch_only: bool = False) -> int:
     """Time every Forage implementation on ``device``, print the table and write
     ``bench_env_<device>.json`` in ``out``."""
     from ..measure.envbench import bench_envs, format_table
 
-    path = _free_file(check_output_dir(out) / f"bench_env_{device.type}.json")
+    name = f"bench_env_{device.type}" + ("_torch" if torch_only else "")
+    path = _free_file(check_output_dir(out) / f"{name}.json")
     result = bench_envs(device=device, repeats=repeats, n_envs=n_envs, compiled=compiled,
-                        compile_loop=compile_loop)
+                        compile_loop=compile_loop, torch_only=torch_only)
     stopped = result.get("interrupted")
     if stopped:  # the rounds that finished, beside (never over) a complete run's file
         path = path.with_name(f"{path.stem}_partial.json")
@@ -177,7 +179,8 @@ def cmd_bench_env(args: argparse.Namespace) -> int:
     from ..device import resolve_device
 
     return bench_env(resolve_device(args.device), args.out, repeats=args.repeats,
-                     n_envs=args.n_envs, compiled=args.compiled, compile_loop=args.compile_loop)
+                     n_envs=args.n_envs, compiled=args.compiled, compile_loop=args.compile_loop,
+                     torch_only=args.torch_only)
 
 
 def cmd_bench_update(args: argparse.Namespace) -> int:
@@ -238,6 +241,9 @@ def _add_bench_env(sub) -> None:
     p.add_argument("--compile-loop", type=positive_int, default=4,
                    help="steps in the compiled loop; 1 leaves that row out; it must divide "
                         "the episode length and 16, the warmup steps (default: %(default)s)")
+    p.add_argument("--torch-only", action="store_true",
+                   help="time ForageTorch alone (and with --compiled its compiled rows): a "
+                        "large-N GPU sweep without the NumPy and per-env loops at every size")
     p.add_argument("--out", type=path, default="results", help="folder for the JSON")
     p.set_defaults(func=cmd_bench_env)
 

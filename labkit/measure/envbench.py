@@ -166,14 +166,16 @@ def _sizes(n_envs: Sequence[int] | None, device: torch.device) -> tuple[int, ...
 
 
 def _plan(sizes: tuple[int, ...], loop_envs: int, compiled: bool, compile_loop: int,
-          device: torch.device) -> list[tuple[str, int, int, bool]]:
+          device: torch.device, torch_only: bool = False) -> list[tuple[str, int, int, bool]]:
     """The runners of the sweep as ``(impl, N, compiled, scalar)`` (:func:`_runner`'s
     arguments): the per-env loops at ``loop_envs``, the vectorized ones at every N, and if
     ``compiled`` ForageTorch's compiled step (and loop of ``compile_loop`` steps, and on the
-    CPU its scalar step) at every N."""
+    CPU its scalar step) at every N; ``torch_only``: ForageTorch's runners alone."""
     loops = (1, compile_loop) if compile_loop > 1 else (1,)
-    plan = [("ForagePy", loop_envs, 0, False), ("ForageTorchLoop", loop_envs, 0, False)]
-    plan += [(impl, n, 0, False) for n in sizes for impl in VECTORIZED]
+    vectorized = ("ForageTorch",) if torch_only else VECTORIZED
+    plan = [] if torch_only else [("ForagePy", loop_envs, 0, False),
+                                  ("ForageTorchLoop", loop_envs, 0, False)]
+    plan += [(impl, n, 0, False) for n in sizes for impl in vectorized]
     plan += [("ForageTorch", n, k, False) for n in sizes for k in loops] if compiled else []
     plan += [("ForageTorch", n, 1, True) for n in sizes] if compiled and device.type == "cpu" \
         else []
@@ -182,7 +184,8 @@ def _plan(sizes: tuple[int, ...], loop_envs: int, compiled: bool, compile_loop: 
 
 def _rows(runners: list[_Runner], steps: int) -> list[dict]:
     """A row per runner: its env steps/s (median, and min/median/max over its samples), its
-    samples, ops per step and compile seconds, and its speed over ForagePy's (the first)."""
+    samples, ops per step and compile seconds, and its speed over ForagePy's (the first; none
+    where ForagePy was not timed)."""
     rows = []
     for r in runners:
         rates = sorted(r.n_envs * steps / s for s in r.samples)
@@ -190,16 +193,17 @@ def _rows(runners: list[_Runner], steps: int) -> list[dict]:
                      "steps_per_s": statistics.median(rates),
                      "steps_per_s_spread": [rates[0], statistics.median(rates), rates[-1]],
                      "samples_s": r.samples, "ops_per_step": r.ops, "compile_s": r.compile_s})
-    py = rows[0]["steps_per_s"]
+    py = rows[0]["steps_per_s"] if rows[0]["impl"] == "ForagePy" else None
     for row in rows:
-        row["ratio_vs_py"] = row["steps_per_s"] / py
+        row["ratio_vs_py"] = row["steps_per_s"] / py if py else None
     return rows
 
 
 def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
                n_envs: Sequence[int] | None = None, *, spec: ForageSpec | None = None,
                loop_envs: int = 16, episodes: int = 1, compiled: bool = False,
-               compile_loop: int = 4, warmup: int = 16, seed: int = 0) -> dict:
+               compile_loop: int = 4, warmup: int = 16, seed: int = 0,
+               torch_only: bool = False) -> dict:
     """Env steps/s of each Forage implementation with random actions.
 
     The vectorized implementations (NumPy, torch) run at every N of ``n_envs`` (default: 256,
@@ -214,7 +218,9 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
     (the step compiled without SIMD vectors: on an AVX-512 core inductor's vectorized loops
     over this step's int8 lanes were several times slower than its scalar ones), the first
     call's seconds in ``compile_s``.
-    ``fastest`` says which vectorized implementation leads at each N. A stop signal (under
+    ``torch_only`` times ForageTorch's rows alone (a large-N GPU sweep need not time NumPy at
+    every size; ``ratio_vs_py`` is then None). ``fastest`` says which vectorized
+    implementation leads at each N. A stop signal (under
     :func:`labkit.signals.stop_signals`, or a Ctrl-C) after the first round keeps the rounds
     that finished: ``repeats`` counts them and ``interrupted`` names the signal."""
     dev = resolve_device(device)
@@ -229,7 +235,7 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
     if compiled and compile_loop > 1 and (steps % compile_loop or warmup % compile_loop):
         raise ValueError(f"compile_loop must divide the steps per sample ({steps}) and "
                          f"warmup ({warmup}), got {compile_loop}")
-    plan = _plan(sizes, loop_envs, compiled, compile_loop, dev)
+    plan = _plan(sizes, loop_envs, compiled, compile_loop, dev, torch_only)
     _check_fits(plan, steps + warmup, dev)
     runners = [_runner(impl, n, spec, dev, steps + warmup, seed, c, scalar)
                for impl, n, c, scalar in plan]
@@ -245,6 +251,7 @@ def bench_envs(device: str | torch.device = "auto", repeats: int = 5,
         "steps_per_sample": steps,
         "threads": torch.get_num_threads(),
         "spec": vars(spec),
+        **({"torch_only": True} if torch_only else {}),
     }
 
 

@@ -19,6 +19,11 @@ def fmt(value: float | None, spec: str = ",.0f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _times(ratio: float | None) -> str:
+    """``ratio`` as "3.2x", or ``-`` where there is none."""
+    return "-" if ratio is None else f"{ratio:.1f}x"
+
+
 @dataclass(frozen=True)
 class Column:
     """One column: a short header for text, a longer one for Markdown, and its cell."""
@@ -196,7 +201,7 @@ ENVS = Table((
     Column("max", "max", lambda r: fmt((r.get("steps_per_s_spread") or [None])[-1]), 11),
     Column("ops/step", "aten ops / step", lambda r: fmt(r.get("ops_per_step"), "d"), 8),
     Column("compile s", "seconds to compile", lambda r: fmt(r.get("compile_s"), ".1f"), 9),
-    Column("vs ForagePy", "vs ForagePy", lambda r: f"{r['ratio_vs_py']:.1f}x", 11),
+    Column("vs ForagePy", "vs ForagePy", lambda r: _times(r.get("ratio_vs_py")), 11),
 ))
 
 #: Learning runs: one row per stage (``record``'s ``learning_*.json``, rows with ``stage``).
