@@ -292,6 +292,35 @@ def test_cli_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys):
     assert err.startswith("error: --function must be") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["-m", "labkit_no_such_module_here"], "error: module 'labkit_no_such_module_here': no "
+                                           "such module"),
+    (["-m", "labkit_no_such_package.inner"], "error: module 'labkit_no_such_package.inner': "),
+    (["FOLDER"], "is a folder, not a file"),
+])
+def test_cli_refuses_a_missing_module_or_a_folder_in_one_line(tmp_path, capsys, argv, said):
+    """``watch -m`` of a module that cannot be found, or a folder given as the script: one
+    line, exit 2, and no report of a script that never ran."""
+    argv = [str(tmp_path) if a == "FOLDER" else a for a in argv]
+    assert main(["watch", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("error: ") and said in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert out == ""
+
+
+def test_a_script_that_removes_the_profile_hook_is_named_not_called_never(tmp_path, capsys):
+    """A script that clears the profiler (``sys.setprofile(None)``, or sets its own) takes
+    ``--function``'s hook away: the report says so, not that the function was never called."""
+    script = tmp_path / "s.py"
+    script.write_text("import sys\nimport torch\n\ndef step():\n    torch.ones(2).sum()\n\n"
+                      "step()\nsys.setprofile(None)\nfor _ in range(3):\n    step()\n")
+    assert main(["watch", "--function", "step", str(script)]) == 0
+    out = capsys.readouterr().out
+    assert "replaced labkit's profile hook" in out and "never called" not in out, out
+    assert "1 function(s) of that name seen before" in out
+
+
 @pytest.mark.parametrize("body, code, said", [
     ("import sys\nsys.exit(3)\n", 3, None),
     ("raise KeyError('mine')\n", 1, "KeyError: 'mine'"),

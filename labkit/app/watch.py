@@ -60,9 +60,13 @@ def watch_script(target: str, args: list[str], *, module: bool = False,
     if function is not None and not all(part.isidentifier() for part in function.split(".")):
         raise ValueError(f"--function must be a function name or Class.method, got "
                          f"{function!r}")
-    if not module and not Path(target).is_file():
+    if module:
+        _check_module(target)
+    elif Path(target).is_dir():
+        raise ValueError(f"script {target!r} is a folder, not a file (a package: -m NAME)")
+    elif not Path(target).is_file():
         raise ValueError(f"script {target!r}: no such file")
-    w, hook = watch(), None
+    w, hook, removed = watch(), None, False
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [target, *args]
     if not module:
@@ -81,6 +85,7 @@ def watch_script(target: str, args: list[str], *, module: bool = False,
                 runpy.run_path(target, run_name="__main__")
         finally:
             if hook is not None:
+                removed = sys.getprofile() is not hook  # the script set its own (or none)
                 sys.setprofile(None)
                 hook.close()
             elif w in watch._active:
@@ -99,7 +104,12 @@ def watch_script(target: str, args: list[str], *, module: bool = False,
         sys.argv, sys.path[:] = saved_argv, saved_path
     report = w.report()
     if hook is not None:
-        if not hook.seen:
+        if removed:
+            report.notes.insert(0, f"--function {function}: the script replaced labkit's "
+                                   "profile hook (sys.setprofile), so calls after that were "
+                                   f"not watched ({len(hook.seen)} function(s) of that name "
+                                   "seen before)")
+        elif not hook.seen:
             report.notes.insert(0, f"--function {function}: the script never called a "
                                    "function of that name; nothing was watched")
         elif len(hook.seen) > 1:
@@ -107,6 +117,19 @@ def watch_script(target: str, args: list[str], *, module: bool = False,
                                    "functions, each call of any one an iteration: "
                                    + "; ".join(hook.seen.values()))
     return report, code
+
+
+def _check_module(name: str) -> None:
+    """A ValueError, in one line, for a module ``-m`` cannot run: none of that name, or a
+    name that is not a module's."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as err:  # a parent package missing, an empty name
+        raise ValueError(f"module {name!r}: {err}") from None
+    if found is None:
+        raise ValueError(f"module {name!r}: no such module")
 
 
 # ------------------------------------------------------------------ the command
