@@ -73,7 +73,10 @@ def _runner(impl: str, n: int, spec: ForageSpec, device: torch.device, n_actions
     if not compiled:
         return _Runner(impl, n, lambda i: env.step(t_actions[i % n_actions]), ops=ops)
     if compiled == 1:
-        fn = torch.compile(env.step, fullgraph=True,
+        # dynamic=False: each N its own static graph, as a run at one N compiles it (a second
+        # N would otherwise recompile with symbolic sizes, which the step's gather(out=) and
+        # its preallocated buffers do not support)
+        fn = torch.compile(env.step, fullgraph=True, dynamic=False,
                            options={"cpp.simdlen": 0} if scalar else None)
         compile_s, _ = timed(lambda: fn(t_actions[0]), device)  # the first call compiles
         env.reset()
@@ -83,7 +86,7 @@ def _runner(impl: str, n: int, spec: ForageSpec, device: torch.device, n_actions
     def steps(chunk: torch.Tensor) -> None:
         for a in chunk:  # unrolled by torch.compile: one graph of `compiled` steps
             env.step(a)
-    loop = torch.compile(steps, fullgraph=True)
+    loop = torch.compile(steps, fullgraph=True, dynamic=False)
     chunks = t_actions.split(compiled)
     compile_s, _ = timed(lambda: loop(chunks[0]), device)
     env.reset()
