@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The next GPU stay's one command for issue 55 (the ladder climbs, the final stage fills the
+# GPU): measure where each stage's time goes before changing it. About 8 minutes on an H200;
+# each line under its own `timeout -s INT`, so a cut line keeps what it measured. Nothing else
+# runs beside a timed line. Dry-run it on the CPU first:
+#
+#   LABKIT_GIT_COMMIT=$(git rev-parse HEAD) DEVICE=cpu SMALL=1 OUT=/tmp/dry bash scripts/gpu_diagnose.sh
+#
+# On the GPU (tree copied without .git):
+#
+#   LABKIT_GIT_COMMIT=<hash> bash scripts/gpu_diagnose.sh      # $OUT is the device tool's
+#
+# What each line settles, most important first (reviews/gpu-gap.md §6 and issue 55 §1):
+#   scaling   stages 7 and 8 over N: the data-chosen ladder N (smallest N at which stage 8
+#             reaches 90% of its best rate) and where stage 8 tops out today
+#   env       ForageTorch alone, eager and compiled, at large N (--torch-only): the env target
+#   profile   stage 7 and 8 kernel tables (torch.profiler): where the update's 1.5 ms goes
+#   ladder    stages 3-8 at N=1024, 10 interleaved rounds: today's climb, sync counts included
+#   update    bench-update at the 32,768-sample minibatch, with its floor
+# The results and logs are packed into $OUT/gpu-diagnose.tar.gz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${LABKIT_GIT_COMMIT:?set LABKIT_GIT_COMMIT to the commit this tree is (git rev-parse HEAD)}"
+export LABKIT_GIT_COMMIT PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+export TORCHINDUCTOR_CACHE_DIR="$PWD/.inductor-cache"  # later lines reuse the compiles
+DEVICE=${DEVICE:-cuda}
+OUT=${OUT:-/tmp/labkit-gpu-out}
+R="$OUT/diagnose"
+mkdir -p "$R"
+if [ "${SMALL:-0}" = 1 ]; then  # the dry run: every line at a size a CPU does in seconds
+    SWEEP="64 128" ENV_N="256 1024" N=64 T=8 ITERS=2 MB=256 S=120
+else
+    SWEEP="1024 4096 16384 65536" ENV_N="65536 262144" N=1024 T=128 ITERS=10 MB=32768 S=150
+fi
+{ nvidia-smi -L 2>/dev/null; python3 -c "import torch; print('torch', torch.__version__, \
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"; } > "$R/device.txt" 2>&1
+cat "$R/device.txt"
+status=0
+step() {  # step NAME SECONDS COMMAND...: run it under its limit, log it, keep its exit status
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    timeout -s INT "$limit" "$@" > "$R/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - start)) s"
+    tail -n 12 "$R/$name.log"
+    [ "$rc" = 0 ] || status=$rc
+}
+L="python3 -m labkit ladder --device $DEVICE --no-progress --n-steps $T"
+step scaling $((S + 60)) $L --stages 7,8 --iterations 3 --n-envs "${SWEEP%% *}" \
+    --scaling-n-envs $SWEEP --out "$R/scaling"
+step env "$S" python3 -m labkit bench-env --device "$DEVICE" --torch-only --compiled \
+    --compile-loop 1 --repeats 5 --n-envs $ENV_N --out "$R/env"
+step profile-7 90 python3 -m labkit profile --device "$DEVICE" --stage fused_amp \
+    --n-envs "$N" --n-steps "$T" --out "$R/profile7"
+step profile-8 90 python3 -m labkit profile --device "$DEVICE" --stage cuda_graphs \
+    --n-envs "$N" --n-steps "$T" --out "$R/profile8"
+step ladder "$S" $L --stages 3,4,5,6,7,8 --no-scaling --iterations "$ITERS" --n-envs "$N" \
+    --out "$R/ladder"
+step update "$S" python3 -m labkit bench-update --device "$DEVICE" --sizes "$MB" --rounds 5 \
+    --out "$R/update"
+tar czf "$OUT/gpu-diagnose.tar.gz" -C "$OUT" diagnose
+exit "$status"
