@@ -72,10 +72,21 @@ def _aot_eager_compile(model=None, **kwargs):
     return _real_compile(model, **kwargs)
 
 
+_last_backend: list[str] = []
+
+
 @pytest.fixture(autouse=True)
 def _compile_backend(request, monkeypatch):
-    """Every test but an ``inductor`` one compiles with aot_eager (the tiers above)."""
-    if request.node.get_closest_marker("inductor") is None:
+    """Every test but an ``inductor`` one compiles with aot_eager (the tiers above). Where the
+    backend changes from one test to the next, dynamo's caches are reset first: compiled code
+    is cached per code object (every compiled module shares one), an entry compiled for one
+    backend never serves the other, and the two together would pass dynamo's recompile limit
+    where either alone does not."""
+    backend = "aot_eager" if request.node.get_closest_marker("inductor") is None else "inductor"
+    if _last_backend and _last_backend[-1] != backend:
+        torch._dynamo.reset()
+    _last_backend[:] = [backend]
+    if backend == "aot_eager":
         monkeypatch.setattr(torch, "compile", _aot_eager_compile)
 
 
