@@ -6,6 +6,8 @@ import contextlib
 import json
 import math
 import os
+import stat
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,14 +109,42 @@ def write_jsonl(path: str | os.PathLike, records: list[dict]) -> Path:
     return Path(path)
 
 
+#: The largest JSON file the program reads (its run files and results are far smaller).
+JSON_MAX_BYTES = 256 * 2**20
+
+
+def parse_json(text: str, where: str, error: type[ValueError] = ValueError) -> Any:
+    """The one JSON parser for what the program reads: ``error`` naming ``where`` (a file, or
+    a file's line) where ``text`` is not JSON or is nested deeper than Python can parse (a
+    RecursionError, never a traceback)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise error(f"{where} is not valid JSON (torn or edited: {err})") from None
+    except RecursionError:
+        raise error(f"{where} is JSON nested too deeply to read (over "
+                    f"{sys.getrecursionlimit()} levels): not a file labkit wrote") from None
+
+
+def read_json(path: str | os.PathLike, error: type[ValueError] = ValueError) -> Any:
+    """The JSON in the file ``path`` (at most :data:`JSON_MAX_BYTES`), as :func:`parse_json`."""
+    size = os.stat(path).st_size
+    if size > JSON_MAX_BYTES:
+        raise error(f"{path} holds {size:,} bytes, more than the {JSON_MAX_BYTES:,} a JSON file "
+                    "labkit reads may hold")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise error(f"{path} is not valid JSON (torn or edited: {err})") from None
+    return parse_json(text, str(path), error)
+
+
 def read_json_object(path: str | os.PathLike, what: str,
                      error: type[ValueError] = ValueError) -> dict:
-    """The JSON object in ``path``; ``error`` naming the file where it is torn, not JSON, or
-    JSON of another shape than ``what`` (the run door's config, a results file)."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise error(f"{path} is not valid JSON (torn or edited: {err})") from None
+    """The JSON object in ``path``; ``error`` naming the file where it is torn, not JSON, too
+    deep or large, or JSON of another shape than ``what`` (the run door's config, a results
+    file)."""
+    data = read_json(path, error)
     if not isinstance(data, dict):
         raise error(f"{path} holds a JSON {type(data).__name__}, not {what}")
     return data
@@ -174,15 +204,23 @@ def no_links(folder: str | os.PathLike, names: Iterator[str] | tuple[str, ...]) 
 
 def open_no_follow(path: str | os.PathLike, mode: str) -> IO[str]:
     """``open(path, mode)`` for text writing ("w" or "a") that refuses a symbolic link in the
-    last component (:class:`OutputError`) instead of writing where it points."""
+    last component, or a hard link (:class:`OutputError`), instead of writing where it points.
+    It truncates ("w") only after that check."""
     flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | (
-        os.O_APPEND if mode == "a" else os.O_TRUNC)
+        os.O_APPEND if mode == "a" else 0)
     try:
         fd = os.open(path, flags, 0o666)
     except OSError:
         if os.path.islink(path):
             raise OutputError(link_refused(path)) from None
         raise
+    links = os.fstat(fd).st_nlink
+    if links > 1:
+        os.close(fd)
+        raise OutputError(f"{path} is a hard link (link count {links}): writing it would change "
+                          "the file it shares; move it away or choose another folder")
+    if mode == "w":
+        os.ftruncate(fd, 0)
     return open(fd, mode, encoding="utf-8")
 
 
@@ -213,6 +251,13 @@ class FolderLock:
         except OSError:
             if os.path.islink(self.path):
                 raise OutputError(link_refused(self.path)) from None
+            if os.path.isdir(self.path):
+                raise OutputError(_not_own_file(self.path, "is a folder")) from None
+            raise
+        try:
+            _check_lock_file(self.path, fd)
+        except OutputError:
+            os.close(fd)
             raise
         try:
             _lock_fd(fd)
@@ -221,6 +266,11 @@ class FolderLock:
             os.close(fd)
             raise OutputError(f"{self.path.parent} is in use by another labkit process "
                               f"(pid {holder}); wait for it or choose another folder") from None
+        content = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        if content and not content.isdecimal():
+            os.close(fd)
+            raise OutputError(f"{self.path} holds {content[:20]!r}, not a labkit pid: another "
+                              "tool's file, kept as it is; move it away or choose another folder")
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._fd = fd
@@ -251,6 +301,24 @@ class FolderLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _check_lock_file(path: Path, fd: int) -> None:
+    """Refuse a ``.lock`` that is not a plain file of its own: the pid written into a hard
+    link would overwrite the file it shares."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        why = "is not a regular file"
+    elif st.st_nlink > 1:
+        why = f"is a hard link (link count {st.st_nlink})"
+    else:
+        return
+    raise OutputError(_not_own_file(path, why))
+
+
+def _not_own_file(path: Path, why: str) -> str:
+    return (f"{path} {why}; labkit writes its pid there, so it must be a plain file of its "
+            "own: move it away or choose another folder")
 
 
 def _lock_fd(fd: int) -> None:

@@ -69,6 +69,9 @@ class EagerEpisodeStats:
             raise ValueError("metrics state['returns'] must be finite numbers")
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths):
             raise ValueError("metrics state['lengths'] must be episode lengths (ints >= 1)")
+        if any(abs(r) > n for r, n in zip(returns, lengths)):  # rewards are -1, 0 or +1
+            raise ValueError("metrics state['returns'] must be reachable: each |return| at most "
+                             "its episode's length (rewards are -1, 0 or +1)")
         self.returns, self.lengths = list(returns), list(lengths)
 
     def all_reduce_(self) -> None:

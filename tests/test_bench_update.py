@@ -38,7 +38,9 @@ def test_every_variant_is_timed_at_every_size_and_written(tmp_path, capsys, monk
         assert r["model_flops"] == flops_per_sample()["train"] * r["minibatch"]
         assert r["frac_of_peak"] == pytest.approx(
             r["model_flops"] / (r["median_ms"] / 1e3) / r["peak_flops"])
-        assert 0 < r["frac_of_peak"] and r["peak_flops"] > 1e9
+        # a rate in FLOP/s, not a unit slip (ms or GFLOP would be 1e3-1e9 off): a CPU without
+        # bf16 instructions, on 1 thread of a busy host, measured its bf16 peak at 0.89 GFLOP/s
+        assert 0 < r["frac_of_peak"] and r["peak_flops"] > 1e8
     # the floors: the model's products, then the fused optimizer step, per formulation and
     # precision, after the rows
     floors = result["floors"]

@@ -124,7 +124,23 @@ def _edits() -> list[tuple[str, object]]:
             "returns", [math.nan])),
         ("metrics state['lengths']", lambda p: p["state"]["metrics"].update(
             returns=[1.0], lengths=[0])),
+        ("metrics state['returns'] must be reachable", lambda p: p["state"]["metrics"].update(
+            returns=[1e9], lengths=[3])),  # a 3-step episode cannot return 1e9
+        ("field 'wall_s'", lambda p: p.__setitem__("wall_s", -1e9)),
+        ("field 'threads'", lambda p: p.__setitem__("threads", 0)),
+        ("field 'threads'", lambda p: p.__setitem__("threads", 10**12)),
+        ("['exp_avg_sq'] holds negative", lambda p: _adam(p, "exp_avg_sq", -1.0)),
+        ("['step'] must be a whole number", lambda p: _adam(p, "step", -3.0)),
+        ("different step counts", lambda p: p["state"]["optimizer"]["state"][0].__setitem__(
+            "step", torch.tensor(99.0))),
     ]
+
+
+def _adam(payload: dict, key: str, value: float) -> None:
+    """Fill every parameter's Adam ``key`` with ``value`` (finite, so only the bounds can
+    catch it)."""
+    for entry in payload["state"]["optimizer"]["state"].values():
+        entry[key] = torch.full_like(entry[key], value)
 
 
 def test_hostile_but_well_formed_saved_state_is_refused_at_the_door(tmp_path, monkeypatch,

@@ -68,6 +68,40 @@ def test_the_lock_and_the_loggers_refuse_a_link_themselves(tmp_path):
     assert victim.read_text() == "keep me"
 
 
+def test_a_hard_linked_or_foreign_lock_is_refused_and_kept(tmp_path, capsys):
+    """A ``.lock`` that is a hard link to a file outside, or another tool's file, in a new run
+    folder: one line naming it, exit 2, and the file it holds untouched. A pid is reused."""
+    from tests.runs import run_cli
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    linked, foreign = tmp_path / "linked", tmp_path / "foreign"
+    linked.mkdir()
+    os.link(victim, linked / FolderLock.NAME)
+    foreign.mkdir()
+    (foreign / FolderLock.NAME).write_text("another tool's lock: do not delete")
+    for out, said in ((linked, "is a hard link"), (foreign, "not a labkit pid")):
+        code, _, err = run_cli(["train", *TINY, "--out", str(out)],
+                               capsys)
+        assert code == 2 and err.count("\n") == 1 and said in err
+        assert str(out / FolderLock.NAME) in err
+    assert victim.read_text() == "precious"
+    assert (foreign / FolderLock.NAME).read_text() == "another tool's lock: do not delete"
+    (foreign / FolderLock.NAME).write_text("12345")  # a stale lock of an earlier run: reused
+    FolderLock(foreign).acquire().release()
+    assert (foreign / FolderLock.NAME).read_text() == str(os.getpid())
+
+
+def test_a_logger_refuses_to_write_through_a_hard_link(tmp_path):
+    from labkit.files import open_no_follow
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    os.link(victim, tmp_path / "metrics.jsonl")
+    for mode in ("w", "a"):
+        with pytest.raises(OutputError, match="is a hard link"):
+            open_no_follow(tmp_path / "metrics.jsonl", mode)
+    assert victim.read_text() == "keep me"
+
+
 def test_a_deleted_or_replaced_lock_is_noticed(tmp_path):
     lock = FolderLock(tmp_path).acquire()
     lock.check()  # held and in place
@@ -167,3 +201,51 @@ def test_a_full_disk_keeps_the_previous_file_and_names_it(small_disk):
     assert "No space left on device" in said and f"{old} is kept as it was" in said, said
     assert json.loads(old.read_text()) == {"old": True}
     assert [p.name for p in small_disk.iterdir()] == ["results.json"]
+
+
+DEEP = "[" * 200000 + "]" * 200000  # deeper than Python's parser can go: a RecursionError
+
+
+def test_the_json_reader_refuses_deep_nesting_and_size_naming_the_file(tmp_path, monkeypatch):
+    import labkit.files as files
+    path = tmp_path / "deep.json"
+    path.write_text(DEEP)
+    with pytest.raises(ValueError, match=f"{path} is JSON nested too deeply"):
+        files.read_json(path)
+    with pytest.raises(ValueError, match="metrics.jsonl line 3 is JSON nested too deeply"):
+        files.parse_json(DEEP, "metrics.jsonl line 3")
+    monkeypatch.setattr(files, "JSON_MAX_BYTES", 100)
+    with pytest.raises(ValueError, match=f"{path} holds 400,000 bytes, more than the 100"):
+        files.read_json(path)
+
+
+def test_train_resume_plot_runs_and_report_refuse_deep_json_in_one_line(tmp_path, capsys):
+    """Nested JSON at the depth that broke the review's runs, in each file the commands read."""
+    import shutil
+
+    from tests.runs import run_cli
+    done = tmp_path / "done"
+    assert run_cli(["train", *TINY, "--out", str(done)], capsys)[0] == 0
+
+    def refused(argv, said):
+        code, _, err = run_cli(argv, capsys)
+        assert code == 2 and err.count("\n") == 1 and said in err, err
+
+    for name in ("config.json", "summary.json"):
+        run = tmp_path / f"deep-{name}"
+        shutil.copytree(done, run)
+        (run / name).write_text(DEEP)
+        refused(["train", "--resume", str(run), "--no-progress"], str(run / name))
+    run = tmp_path / "deep-first-line"
+    shutil.copytree(done, run)
+    (run / "metrics.jsonl").write_text(DEEP + "\n" + (done / "metrics.jsonl").read_text())
+    refused(["plot-runs", str(run), "--out", str(tmp_path / "p.png")], "metrics.jsonl")
+    for summary, said in (("{}", "'steps' is None"), ('{"steps": null}', "'steps' is None")):
+        run = tmp_path / f"summary-{len(summary)}"
+        shutil.copytree(done, run)
+        (run / "summary.json").write_text(summary)
+        refused(["train", "--resume", str(run), "--no-progress"], said)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "ladder_cpu_quick.json").write_text(DEEP)
+    refused(["report", "--results", str(results)], "ladder_cpu_quick.json")

@@ -109,8 +109,14 @@ def check(payload: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
     except (RuntimeError, TypeError, ValueError):
         raise CheckpointError(f"{path}: field 'device' is not a device: "
                               f"{payload['device']!r}") from None
-    if not isinstance(payload["wall_s"], (int, float)) or not math.isfinite(payload["wall_s"]):
-        raise CheckpointError(f"{path}: field 'wall_s' must be a finite number")
+    if not isinstance(payload["wall_s"], (int, float)) or not math.isfinite(payload["wall_s"]) \
+            or payload["wall_s"] < 0:
+        raise CheckpointError(f"{path}: field 'wall_s' must be a finite number >= 0 (seconds "
+                              f"trained); got {payload['wall_s']!r:.50}")
+    threads = payload.get("threads")  # absent before the thread count was kept
+    if threads is not None and (type(threads) is not int or not 1 <= threads <= MAX_THREADS):
+        raise CheckpointError(f"{path}: field 'threads' must be an int in 1..{MAX_THREADS} (the "
+                              f"CPU threads the run used); got {threads!r:.50}")
     choices = payload.get("executor_choices", {})  # absent before compile choices existed
     if not isinstance(choices, dict) or not all(
             part in PART_PHASE and _choice_ok(made, part) for part, made in choices.items()):
@@ -135,7 +141,42 @@ def check(payload: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
         if bad:
             raise CheckpointError(f"{path}: field {bad!r} holds non-finite values (NaN or "
                                   "inf); this state cannot train")
+    bad = _optimizer_state_bad(state["optimizer"])
+    if bad:
+        raise CheckpointError(f"{path}: field 'state.optimizer' {bad}; this state cannot train")
     return payload
+
+
+#: More CPU threads than any machine has: a saved count above it is not one a run used.
+MAX_THREADS = 65536
+
+
+def _optimizer_state_bad(optimizer: Any) -> str | None:
+    """What is impossible in an Adam state (finite values are checked apart): a negative
+    second moment, or a step count that is not one finite whole number >= 0 shared by every
+    parameter. None where it is sound."""
+    per_param = optimizer.get("state", {}) if isinstance(optimizer, dict) else None
+    if not isinstance(per_param, dict):
+        return "must be an optimizer's state_dict (a dict with 'state')"
+    steps = set()
+    for key, entry in per_param.items():
+        if not isinstance(entry, dict):
+            return f"['state'][{key!r}] must be a dict of tensors"
+        sq = entry.get("exp_avg_sq")
+        if isinstance(sq, torch.Tensor) and bool((sq < 0).any()):
+            return (f"['state'][{key!r}]['exp_avg_sq'] holds negative values (a second moment "
+                    "is >= 0)")
+        step = entry.get("step")
+        if step is not None:
+            value = float(step) if isinstance(step, (int, float, torch.Tensor)) and (
+                not isinstance(step, torch.Tensor) or step.numel() == 1) else math.nan
+            if not math.isfinite(value) or value < 0 or value != int(value):
+                return f"['state'][{key!r}]['step'] must be a whole number >= 0; got {step!r:.50}"
+            steps.add(value)
+    if len(steps) > 1:
+        return (f"holds different step counts across parameters ({sorted(steps)}); Adam steps "
+                "them all at once")
+    return None
 
 
 def _scaler_ok(state: dict) -> bool:

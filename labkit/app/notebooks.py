@@ -2,13 +2,12 @@
 device and commit they ran on, each widget stored as what it showed (:func:`strip_widgets`)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from ..device import run_metadata
-from ..files import atomic_write
+from ..files import atomic_write, read_json_object
 
 
 def execute_notebook(path: Path, device: torch.device, commit: str, timeout: int = 900
@@ -72,5 +71,5 @@ def _last_frame(state: dict, model_id: str) -> str:
 
 def recorded_on(path: Path) -> str | None:
     """The device type a notebook was last recorded on (None if never by ``record``)."""
-    meta = json.loads(path.read_text(encoding="utf-8")).get("metadata", {})
+    meta = read_json_object(path, "a notebook").get("metadata", {})
     return meta.get("labkit", {}).get("device")

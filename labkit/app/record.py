@@ -38,7 +38,6 @@ notebooks last recorded on a GPU as they are.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import subprocess
 import time
@@ -49,7 +48,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..device import git_commit, run_metadata
-from ..files import check_output_dir, save_figure, write_json
+from ..files import check_output_dir, parse_json, save_figure, write_json
 from .flags import device_and_profile, device_flag, path, run_id
 from .notebooks import execute_notebook, recorded_on
 from .plan import LEARNING, Part, plan, select
@@ -256,8 +255,9 @@ class _Session:
             with tempfile.TemporaryDirectory(prefix="labkit-learning-") as tmp:
                 summary = train(cfg, Path(tmp) / "run", progress=False)
                 lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
+            records = [parse_json(line, "metrics.jsonl") for line in lines]
             curve = [{"steps": r["step"], "wall_s": r["wall_s"],
-                      "mean_return": r["mean_return"]} for r in map(json.loads, lines)]
+                      "mean_return": r["mean_return"]} for r in records]
             result["stages"][name] = {"status": "ok", "curve": curve, **{
                 k: summary[k] for k in ("final_mean_return", "steps", "wall_s", "steps_per_s",
                                         "steady_steps_per_s")}}

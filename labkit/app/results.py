@@ -4,7 +4,6 @@ log's place (``results/record_log_D_P.json``: how long each part took)."""
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import re
 from collections.abc import Callable
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .. import files
 from ..files import write_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ class RecordError(ValueError):
 def read_json(path: Path) -> dict | None:
     """A results file as a dict, or None where there is none or it is not one."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = files.read_json(path)
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

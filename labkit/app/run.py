@@ -17,7 +17,6 @@ Files in ``OUT``: ``config.json``, ``metrics.jsonl`` (one line per iteration),
 """
 from __future__ import annotations
 
-import json
 import signal
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +33,8 @@ from ..files import (
     describe_os_error,
     is_dir,
     no_links,
+    parse_json,
+    read_json,
     read_json_object,
     unique_folder,
     write_json,
@@ -299,9 +300,12 @@ def _go_on_from(run: Run) -> None:
     run.start = saved["state"]["iteration"]
     if run.start == run.cfg.n_iterations and (run.out / SUMMARY).exists():
         try:
-            run.finished = json.loads((run.out / SUMMARY).read_text(encoding="utf-8"))
+            run.finished = read_json(run.out / SUMMARY)
             if not isinstance(run.finished, dict):
                 raise ValueError(f"a JSON {type(run.finished).__name__}, not an object")
+            steps = run.finished.get("steps")
+            if type(steps) is not int or steps < 0:
+                raise ValueError(f"its field 'steps' is {steps!r}, not a whole number >= 0")
         except (UnicodeDecodeError, ValueError) as err:  # JSONDecodeError is a ValueError
             raise ValueError(f"{run.out / SUMMARY} is not the summary a run writes ({err}); "
                              "delete it and --resume writes it again") from None
@@ -340,8 +344,8 @@ def _read_metrics(path: Path, keep_through: int) -> list[dict]:
     kept: list[dict] = []
     for number, line in enumerate(lines, 1):
         try:
-            record, bad = json.loads(line), ("is not a metrics record (a JSON object with an "
-                                             "integer iteration)")
+            record = parse_json(line, f"{path} line {number}")
+            bad = "is not a metrics record (a JSON object with an integer iteration)"
         except ValueError:
             record, bad = None, "is not valid JSON (and later lines are)"
         if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):

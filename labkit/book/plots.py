@@ -6,7 +6,7 @@ import math
 import textwrap
 from pathlib import Path
 
-from ..files import save_figure
+from ..files import parse_json, save_figure
 from . import expects
 
 
@@ -133,14 +133,13 @@ def run_curve(run_dir: str | Path) -> list[dict]:
     """Learning-curve points (steps, wall_s, mean_return) of a ``train`` run's metrics.jsonl.
     A line that is not a record with those numbers raises ValueError naming the file, the line
     and the field; a torn last line (the run was killed mid-write) is left out."""
-    import json
     path = Path(run_dir) / "metrics.jsonl"
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     points = []
     for i, line in enumerate(lines, 1):
         try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
+            r = parse_json(line, f"{path}: line {i}")
+        except ValueError:
             if i == len(lines):
                 break  # the line a killed run was writing
             raise ValueError(f"{path}: line {i} is not valid JSON") from None

@@ -216,13 +216,14 @@ def recorded_gpu(names: list[str], results: str = "results") -> str:
     """What the recorded GPU ladders in ``results`` (``*.json`` written by ``python -m labkit
     ladder`` on CUDA) say about the stages ``names``, each with its device name; or "No GPU run
     recorded yet" when there is none. A chapter prints this instead of quoting numbers."""
-    import json
     from pathlib import Path
+
+    from ..files import read_json
 
     lines = []
     for path in sorted(Path(results).glob("*.json")):
         try:
-            data = json.loads(path.read_text())
+            data = read_json(path)
         except (OSError, ValueError):
             continue
         meta = data.get("meta", {}) if isinstance(data, dict) else {}

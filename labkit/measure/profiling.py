@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..device import resolve_device, synchronize
-from ..files import atomic_write
+from ..files import atomic_write, read_json
 
 #: ``acc_events`` may be missing from the oldest torch labkit supports.
 _KEEP_CYCLES = {"acc_events": True} \
@@ -304,7 +304,7 @@ def _read_export(raw: Path, path: Path) -> dict | list:
     disk leaves no file, or a cut one): a missing or cut trace is an OSError naming ``path``
     and, when the disk is nearly full, ENOSPC."""
     try:
-        return json.loads(raw.read_text())
+        return read_json(raw)
     except (OSError, ValueError):
         pass
     free = shutil.disk_usage(path.parent).free
@@ -346,7 +346,7 @@ def read_trace(path: str | os.PathLike) -> list[dict]:
     on the thread ``pid``/``tid``; "M": a name for a process or thread; "s"/"f": an arrow,
     such as a CUDA launch to its kernel) and a category ``cat`` (``cpu_op``,
     ``user_annotation``, ``cuda_runtime``, ``kernel``, ...)."""
-    trace = json.loads(Path(path).read_text())
+    trace = read_json(path)
     return list(trace["traceEvents"] if isinstance(trace, dict) else trace)
 
 
