@@ -84,7 +84,7 @@ def test_each_plant_is_found_with_its_kind_and_chapter(reports, name):
     assert report.status == "ok"
     found = _findings(report, PLANTS[name].finds)
     assert found, report.format()
-    assert found[0].chapter == CHAPTERS[name]
+    assert found[0].chapter.split(",")[0] == CHAPTERS[name]  # a section may follow
     part = PLANTS[name].part
     part_name = getattr(part, "__name__", None) or type(part).__name__
     # the doctor points at the planted component, and at nothing else
@@ -95,26 +95,26 @@ def test_each_plant_is_found_with_its_kind_and_chapter(reports, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["item_in_logging", "nan_checks", "per_item_loop"])
 def test_host_reads_are_found_at_the_planted_line(reports, name):
-    (f,) = _findings(reports[name], "host_read")
+    (f,) = _findings(reports[name], "device_read")
     sites = {_where(s["site"]) for s in f.evidence["sites"]}
     assert sites and sites <= _lines(name), (sites, _lines(name))
 
 
 @pytest.mark.slow
 def test_host_read_counts_match_the_plants(reports):
-    logging = _findings(reports["item_in_logging"], "host_read")[0].evidence
+    logging = _findings(reports["item_in_logging"], "device_read")[0].evidence
     assert logging["per_step"] == 1  # the step's mean reward
     assert logging["per_update"] == 6  # the update's six statistics
-    nan = _findings(reports["nan_checks"], "host_read")[0].evidence
+    nan = _findings(reports["nan_checks"], "device_read")[0].evidence
     assert nan["per_step"] == 4  # observations, logprobs, values, rewards
-    loop = _findings(reports["per_item_loop"], "host_read")[0].evidence
+    loop = _findings(reports["per_item_loop"], "device_read")[0].evidence
     assert loop["per_step"] >= RUN.n_envs  # one per env, more per finished episode
 
 
 @pytest.mark.slow
 def test_unfused_adam_is_found_by_its_launches_not_by_its_counter_reads(reports):
     """Per-parameter Adam reads a CPU step counter per parameter per step: host-scalar reads,
-    no sync, so no host_read finding. Its GPU cost is kernel launches per optimizer step, one
+    no sync, so no device_read finding. Its GPU cost is kernel launches per optimizer step, one
     set per parameter against the clean stage's fused step; the finding claims no share of the
     iteration it did not measure."""
     report = reports["unfused_adam"]
@@ -148,7 +148,7 @@ def test_host_scalar_reads_are_no_sync_finding():
     report = diagnose("gpu_metrics", cfg=RUN, device=CPU, iterations=2)
     n_params = len(list(Agent().parameters()))
     minibatch_steps = RUN.ppo.update_epochs * RUN.ppo.n_minibatches
-    assert "host_read" not in report.kinds and report.findings == [], report.format()
+    assert "device_read" not in report.kinds and report.findings == [], report.format()
     assert report.host_reads["device"]["per_update"] == 1
     assert report.host_reads["host_scalar"] == {
         "per_step": 0, "per_update": n_params * minibatch_steps,
@@ -180,7 +180,7 @@ def test_the_verdict_says_within_noise_only_when_the_samples_overlap():
 
 @pytest.mark.slow
 def test_cpu_tensor_is_found_at_its_factory(reports):
-    (f,) = _findings(reports["cpu_tensor"], "cpu_allocation")
+    (f,) = _findings(reports["cpu_tensor"], "no_device")
     assert [_where(s["site"]) for s in f.evidence["sites"]] == sorted(_lines("cpu_tensor"))
     assert f.evidence["per_step"] == 1
 
@@ -275,7 +275,7 @@ def test_stage_0_yields_its_device_reads():
     n = 4
     report = diagnose("python_loop", cfg=RunConfig(n_envs=n, n_steps=8), device=CPU,
                       iterations=2)
-    assert report.kinds == ["host_read"]
+    assert report.kinds == ["device_read"]
     by_part = {f.where: f for f in report.findings}
     per_env = by_part["the collector (PerEnvCollector)"]
     assert per_env.evidence["per_step"] == n  # one .item() per env per step
@@ -295,7 +295,7 @@ def test_a_diagnosed_pipeline_is_left_as_it_was():
         before = [t.clone() for t in p.agent.state_dict().values()]
         step = p.global_step
         report = diagnose(p)
-        assert "host_read" in report.kinds
+        assert "device_read" in report.kinds
         assert p.global_step == step
         for a, b in zip(before, p.agent.state_dict().values()):
             assert torch.equal(a, b)
@@ -434,7 +434,7 @@ def test_cli_json_and_exit_codes(capsys):
     out = json.loads(capsys.readouterr().out)
     (finding,) = out["findings"]
     assert set(finding) == {"kind", "where", "summary", "evidence", "cost", "chapter", "fix"}
-    assert finding["kind"] == "host_read"
+    assert finding["kind"] == "device_read"
     reads = out["host_reads"]  # the totals as before, and the split
     assert {"per_step", "per_update", "by_kind", "accepted", "device", "host_scalar"} <= set(reads)
     assert reads["per_step"] == reads["device"]["per_step"] == 1

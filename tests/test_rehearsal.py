@@ -156,9 +156,9 @@ def test_a_planted_host_read_fails_the_capture():
     problems = caught.value.problems
     # torch's capture health check refuses the non-capturable Adam at step(), before its
     # step counters (CPU tensors) would be read, and incremented once, at capture
-    assert {x.kind for x in problems} == {"host_read", "host_op", "optimizer"}
-    assert any("via torch/optim/" in x.where for x in problems if x.kind == "host_read")
-    assert any("capturable=True" in x.what for x in problems if x.kind == "optimizer")
+    assert {x.kind for x in problems} == {"device_read", "host_op", "optimizer"}
+    assert any("via torch/optim/" in x.where for x in problems if x.kind == "device_read")
+    assert any("capturable=True" in x.summary for x in problems if x.kind == "optimizer")
 
 
 # ---------------------------------------------------------------- the replays are real
@@ -300,7 +300,7 @@ def test_rehearse_a_capturable_step_and_keep_its_results():
 
 
 @pytest.mark.parametrize("case, kind", [
-    ("item", "host_read"), ("print", "host_read"), ("to_cpu", "host_read"),
+    ("item", "device_read"), ("print", "device_read"), ("to_cpu", "device_read"),
     ("mask", "dynamic_shape"), ("nonzero", "dynamic_shape"), ("tensor", "host_tensor"),
     ("generator", "unregistered_generator"), ("shape", "shape"), ("number", "not_static"),
     ("arange", "host_mix"), ("host_through_ops", "host_mix")])
@@ -344,7 +344,7 @@ def test_rehearse_names_each_problem_at_its_line(case, kind, capsys):
         assert where.startswith("tests/test_rehearsal.py:") and "(step)" in where
     assert f"[{kind}]" in str(report)
     if case == "item":  # one read is counted once
-        assert str(report).count("[host_read]") == 1 and "(1x)" in str(report)
+        assert str(report).count("[device_read]") == 1 and "(1x)" in str(report)
 
 
 def test_a_tensor_made_with_a_device_or_a_host_scalar_is_no_problem():
@@ -364,7 +364,7 @@ def test_the_planted_host_tensor_in_stage_8_is_found():
     # copies pageable memory to the device: a capture records neither
     assert not report.ok
     assert {p.kind for p in report.problems} == {"host_copy"}
-    whats = [p.what for p in report.problems]
+    whats = [p.summary for p in report.problems]
     assert sum("from the device into" in w for w in whats) == 4  # sums[0..3] = ...
     assert sum("copied to the device" in w for w in whats) == 1  # sums.to(self.device)
     assert all(p.where.startswith("labkit/doctor/plants.py:") for p in report.problems)
@@ -379,7 +379,7 @@ def test_rehearse_refuses_bad_input():
 
 @pytest.mark.parametrize("argv, code, needle", [
     ([], 0, "capturable; 2 graphs replayed"),
-    (["--plant", "unfused_adam"], 1, "[host_read]"),
+    (["--plant", "unfused_adam"], 1, "[device_read]"),
     (["--plant", "cpu_tensor"], 1, "[host_copy]"),
     (["--stage", "7"], 2, "has no CUDA graphs to rehearse"),
     (["--device", "cuda"], 2, "--device"),

@@ -74,7 +74,7 @@ def test_counts_per_iteration_at_the_readers_lines():
     assert by_kind == {("device_read", "y.sum().item()  # a device read: y comes from the "
                                        "parameters"),
                        ("no_device", "x = torch.zeros(8, 4)  # a factory that names no device")}
-    assert all(f.per_iteration == 1 for f in r.findings)
+    assert all(f.evidence["per_iteration"] == 1 for f in r.findings)
     assert "fix: chapter 07" in r.format() and json.loads(r.to_json())["iterations"] == 3
 
 
@@ -85,7 +85,7 @@ def test_without_the_data_flow_its_own_op_count_sees_the_same_findings():
         _loop(w, iterations=2)
     r = w.report()
     assert r.device_reads == 0 and r.host_scalar_reads == 2  # CPU tensors in a "CUDA" run
-    assert r.ops > 0 and {(f.kind, f.per_iteration) for f in r.findings} == {
+    assert r.ops > 0 and {(f.kind, f.evidence["per_iteration"]) for f in r.findings} == {
         ("host_scalar_read", 1), ("no_device", 1)}
 
 
@@ -94,7 +94,7 @@ def test_a_growing_container_is_named():
     with watch() as w:
         _loop(w, iterations=5, keep=history)
     grown = [f for f in w.report().findings if f.kind == "memory_growth"]
-    assert len(grown) == 1 and grown[0].per_iteration == 1
+    assert len(grown) == 1 and grown[0].evidence["per_iteration"] == 1
     assert grown[0].where == "a list held as history (a local of test_a_growing_container_is_named)"
 
 
@@ -183,7 +183,7 @@ def test_a_function_that_keeps_recompiling_and_then_falls_back_to_eager():
     kinds = {f.kind: f for f in r.findings}
     assert {"graph_growth", "recompile_limit"} <= set(kinds)
     # graphs 1-4 in iterations 1-4: two of them after the two warm-up iterations
-    assert kinds["graph_growth"].total == 2 and "k == " in kinds["graph_growth"].note
+    assert kinds["graph_growth"].evidence["total"] == 2 and "k == " in kinds["graph_growth"].summary
     assert kinds["recompile_limit"].where.endswith("(scaled)")
     assert _source(kinds["graph_growth"].where).startswith("@torch.compile")
 
@@ -399,7 +399,7 @@ def test_cleanrl_ppo_verbatim_every_known_read_and_nothing_else(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     found = {(f["kind"], _source(f["where"])) for f in report["findings"]}
     assert found == CLEANRL_FINDINGS, (found - CLEANRL_FINDINGS, CLEANRL_FINDINGS - found)
-    totals = {(f["kind"], _source(f["where"])): f["total"] for f in report["findings"]}
+    totals = {(f["kind"], _source(f["where"])): f["evidence"]["total"] for f in report["findings"]}
     steps = 2 * 64  # 2 iterations of 64 steps
     assert totals[("device_read", "next_obs, reward, terminations, truncations, infos = "
                                   "envs.step(action.cpu().numpy())")] == steps
@@ -419,10 +419,11 @@ def test_sb3_ppo_from_the_shell_names_sb3s_own_reads_per_rollout(tmp_path):
     for report, done in runs:
         assert done.returncode == 0, done.stderr[-2000:]
         assert report["iterations"] == 4  # 256 steps in rollouts of 64
-    first, second = ({(f["kind"], f["where"], f["total"]) for f in r["findings"]}
+    first, second = ({(f["kind"], f["where"], f["evidence"]["total"]) for f in r["findings"]}
                      for r, _ in runs)
     assert first == second  # stable across runs
-    per = {(f["kind"], _source(f["where"])): f["per_iteration"] for f in runs[0][0]["findings"]}
+    per = {(f["kind"], _source(f["where"])): f["evidence"]["per_iteration"]
+           for f in runs[0][0]["findings"]}
     sources = {text for _, text in per}
     # SB3's own per-step reads, at its lines: the actions to the env, the values and log
     # probabilities into the rollout buffer (cloned, then copied to NumPy)

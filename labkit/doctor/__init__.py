@@ -3,7 +3,8 @@
 * ``checkup``: :func:`diagnose` runs a stage (or your pipeline) a few iterations under the
   meters and reports each regression with its evidence and the chapter that fixes it;
 * ``meters``: what the doctor measures besides time (calls by site, memory, dynamo's state);
-* ``findings``: how it judges what it measured; ``report``: the :class:`Finding` it reports;
+* ``kinds``: the one vocabulary, :class:`Finding` and the kinds table every instrument reports
+  with; ``findings``: how the doctor judges what it measured; ``report``: its report;
 * ``plants``: the regressions the chapters plant on purpose, each from a real report;
 * ``watch``: ``labkit.watch``, the same kind of meters around any PyTorch code;
 * ``rehearsal``: a CUDA-graph capture rehearsed on the CPU (``labkit.rehearse``), with
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from ..stages import without_graphs
 from .checkup import DOCTOR_RUN, diagnose
-from .report import KINDS, Finding, Report
+from .kinds import KINDS, Finding
+from .report import Report
 
 __all__ = ["DOCTOR_RUN", "KINDS", "Finding", "Report", "diagnose", "without_graphs"]

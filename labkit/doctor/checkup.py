@@ -19,14 +19,14 @@ captured but hides them from the profiler, and a device read inside it fails the
 
 Findings are judged against what the stage is meant to do, never against zero:
 
-* ``host_read``: a **device read** (a read on the host of a tensor that lives on the device:
+* ``device_read``: a **device read** (a read on the host of a tensor that lives on the device:
   a sync on a GPU), by component. A read on a line marked ``# ... deliberate ...`` that runs at
   most once per iteration is accepted (the device metrics' one ``.tolist()`` per update). A
   host-scalar read (a tensor that lives on the CPU in a GPU run too: a non-fused Adam's step
   counters) waits for no GPU: it is counted in the report, never a finding.
-* ``cpu_allocation``: a tensor factory in labkit or user code without ``device=`` (on a CPU
-  run: a CPU tensor on a GPU) or making a CPU tensor on a CUDA run (pinned buffers excepted),
-  and on CUDA every host-to-device copy.
+* ``no_device``: a tensor factory in labkit or user code without ``device=`` (on a CPU run: a
+  CPU tensor on a GPU) or making a CPU tensor on a CUDA run (pinned buffers excepted);
+  ``host_to_device``: on CUDA, every host-to-device copy.
 * ``memory_growth``: tensors a component holds, or alive at all, growing every iteration.
 * ``excess_ops``: more clones or model work (convolutions, linear layers, matmuls) called
   from labkit or user code per step or per minibatch than the clean ladder stage of the same
@@ -68,8 +68,9 @@ from .findings import (
     precision_findings,
     site_findings,
 )
+from .kinds import KINDS, Finding
 from .meters import Measurements, dynamo_state, memory_snapshot, metered, watched
-from .report import KINDS, Finding, Report
+from .report import Report
 
 #: The sizes the doctor runs at unless given a RunConfig: small, it only counts.
 DOCTOR_RUN = dict(n_envs=16, n_steps=16)
@@ -219,7 +220,7 @@ def _judge(pipe: Pipeline, m: Measurements, report: Report, iterations: int,
 
     # A sync is a device read: a host-scalar read (a CPU tensor in a GPU run too) is no finding.
     findings, accepted = site_findings(
-        "host_read", {"host read": (m_roll.device_sites, m_learn.device_sites)}, cfg, parts,
+        "device_read", {"device read": (m_roll.device_sites, m_learn.device_sites)}, cfg, parts,
         phase_ms, it_ms, accept=lambda site, n: n <= 1 and is_deliberate(site))
     report.host_reads = {
         "per_step": round(m_roll.host_reads / n_steps, 3), "per_update": m_learn.host_reads,
@@ -230,10 +231,10 @@ def _judge(pipe: Pipeline, m: Measurements, report: Report, iterations: int,
         "host_scalar": {"per_step": round(m_roll.host_scalar_reads / n_steps, 3),
                         "per_update": m_learn.host_scalar_reads,
                         "by_kind": dict(m_roll.host_scalar_counts + m_learn.host_scalar_counts)}}
-    findings += site_findings(
-        "cpu_allocation", {label: (m.watch[0].get(key, Counter()), m.watch[1].get(key, Counter()))
-                           for key, label in ALLOCATIONS.items()},
-        cfg, parts, phase_ms, it_ms)[0]
+    for kind, keys in ALLOCATIONS.items():
+        findings += site_findings(
+            kind, {label: (m.watch[0].get(key, Counter()), m.watch[1].get(key, Counter()))
+                   for key, label in keys.items()}, cfg, parts, phase_ms, it_ms)[0]
     findings += memory_findings(m.snaps, parts, phase_ms, it_ms)
     twin = without_graphs(STAGES[pipe.stage.index])  # the clean stage, judged the same way
     if baseline:
@@ -248,6 +249,7 @@ def _judge(pipe: Pipeline, m: Measurements, report: Report, iterations: int,
 
     def order(f: Finding) -> tuple[int, float]:
         ev = f.evidence
-        return KINDS.index(f.kind), -(ev.get("per_step", 0) * n_steps + ev.get("per_update", 0))
+        return list(KINDS).index(f.kind), -(ev.get("per_step", 0) * n_steps
+                                            + ev.get("per_update", 0))
 
     report.findings = sorted(findings, key=order)

@@ -20,8 +20,9 @@ from ..executors import Compiled, CompiledIfFaster
 from ..measure.syncmeter import parse_site, short_path, source_line
 from ..rollout import HostBatchedCollector, PerEnvCollector
 from ..stages import STAGES, Pipeline, Stage, without_graphs
+from .kinds import KINDS, Finding
 from .meters import TORCH_DIR, Measurements
-from .report import Finding, rate
+from .report import rate
 
 MEASURE_FIRST = "00_measure_first"
 
@@ -90,31 +91,9 @@ _FINITE_CHECK = ("10_the_regression_hunt",
                  "zero host reads when off)")
 
 
-_COMPILE_FIX = ("06_compile_and_warm_up",
-                "no Python branches on tensors or on changing Python values in compiled code: "
-                "give each variant one interface (labkit.policy's value heads)")
-
-
 _CAPTURE_FIX = ("09_cuda_graphs",
                 "a captured step must not read the host, make CPU tensors or run an unfused "
                 "optimizer: diagnose the stage without graphs (without_graphs) to find them")
-
-
-_ERROR_FIX = ("00_measure_first", "fix the error at the last frame of user_code, then diagnose "
-                                  "again")
-
-
-_CPU_ALLOC_FIX = ("03_tensors_on_the_device",
-                  "create tensors on the device: torch.zeros(..., device=x.device), or "
-                  "zeros_like / new_zeros of a device tensor, once, outside the loop")
-
-
-_COPIES_FIX = "update state in place; clone only what a later in-place write would change"
-
-
-_MODEL_WORK_FIX = ("00_measure_first",
-                   "compute shared work once and reuse it (the reference Agent runs its body "
-                   "once for both heads); count model ops per step with the profiler")
 
 
 _NO_COST = {"phases": [], "ms_per_iteration": None, "share": None}
@@ -254,9 +233,10 @@ def _group_sites(sites_roll: Counter, sites_learn: Counter, n_steps: int, parts:
     return groups, accepted
 
 
-ALLOCATIONS = {"no_device": "tensor factory without device=",
-                "cpu_tensor": "CPU tensor made on a CUDA run",
-                "host_to_device": "host-to-device copy"}
+#: The doctor's kinds of host tensor, each {meter key: label}.
+ALLOCATIONS = {"no_device": {"no_device": "tensor factory without device=",
+                             "cpu_tensor": "CPU tensor made on a CUDA run"},
+               "host_to_device": {"host_to_device": "host-to-device copy"}}
 
 
 def site_findings(kind: str, sites: dict[str, tuple[Counter, Counter]], cfg: RunConfig,
@@ -265,19 +245,20 @@ def site_findings(kind: str, sites: dict[str, tuple[Counter, Counter]], cfg: Run
                    ) -> tuple[list[Finding], dict]:
     """One finding per slot of the call sites in ``sites`` ({what: (rollout sites, learn
     sites)}; ``what`` labels each row when there are several), and the sites accepted. For
-    ``host_read`` the sites are the sync meter's ``device_sites``: device reads only."""
+    ``device_read`` the sites are the sync meter's ``device_sites``: device reads only."""
     by_slot: dict[str, list[dict]] = defaultdict(list)
     accepted = {}
     for what, (roll, learn) in sites.items():
         groups, ok = _group_sites(roll, learn, cfg.n_steps, parts, accept)
         accepted.update(ok)
         for slot, rows in groups.items():
-            by_slot[slot] += [{**row, "what": what} for row in rows] if len(sites) > 1 else rows
+            by_slot[slot] += rows if kind == "device_read" else [{**row, "what": what}
+                                                                 for row in rows]
     findings = []
     for slot, rows in by_slot.items():
         per_step = round(sum(r["per_step"] for r in rows), 3)
         per_update = sum(r["per_update"] for r in rows)
-        if kind == "host_read":
+        if kind == "device_read":
             chapter, fix = parts.fix(slot)
             if any(re.search(r"\bis(nan|inf|finite)\b", _site_text(r["site"])) for r in rows):
                 chapter, fix = _FINITE_CHECK
@@ -292,7 +273,7 @@ def site_findings(kind: str, sites: dict[str, tuple[Counter, Counter]], cfg: Run
             loop = "; a per-element loop: N or more" if per_step >= cfg.n_envs else ""
             summary = ", ".join(what) + f" (a sync each on a GPU{loop})"
         else:
-            chapter, fix = _CPU_ALLOC_FIX
+            chapter, fix = "", ""  # the kind's (labkit.doctor.kinds)
             summary = f"{' and '.join(sorted({r['what'] for r in rows}))}: " \
                       f"{rate(per_step, per_update)}"
         findings.append(Finding(
@@ -365,10 +346,10 @@ def excess_findings(watch: tuple[dict, dict], base: tuple[dict, dict], cfg: RunC
         rows = sorted((r for rs in groups.values() for r in rs),
                       key=lambda r: -(r["per_step"] * n_steps + r["per_update"]))
         slot = next((s for s, rs in groups.items() if rows and rows[0] in rs), "user code")
-        if names == ("clone",):
-            chapter, fix = parts.fix(slot)[0], _COPIES_FIX
-        else:
-            chapter, fix = _MODEL_WORK_FIX
+        # clones: the chapter that replaces the component, and the clone's fix; model work:
+        # the kind's (labkit.doctor.kinds)
+        chapter, fix = (parts.fix(slot)[0], KINDS["clone"].fix) if names == ("clone",) else \
+            ("", "")
         first = next(iter(excess.items()))
         findings.append(Finding(
             "excess_ops", parts.describe(slot),
@@ -442,12 +423,12 @@ def error_finding(err: Exception, parts: Parts, phase: str) -> Finding:
         found = [(m["file"], m["line"], m["func"])
                  for m in _USER_FRAME.finditer(text.split("from user code:", 1)[-1])]
         kind = "recompile" if "recompile" in type(err).__name__.lower() else "graph_break"
-        summary, fix = f"the compiled code raised in {phase}: {first}", _COMPILE_FIX
+        summary, fix = f"the compiled code raised in {phase}: {first}", ()
     else:
         found = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(err.__traceback__)
                  if f.filename != __file__]
         kind, summary = "error", f"the stage raised in {phase}: {type(err).__name__}: {first}"
-        fix = _CAPTURE_FIX if "captur" in text.lower() else _ERROR_FIX
+        fix = _CAPTURE_FIX if "captur" in text.lower() else ()
         explanation = explanation or f"{type(err).__name__}: {first}"
     frames = [f"{short_path(file)}:{line} ({func})" for file, line, func in found
               if not file.startswith(TORCH_DIR)]
@@ -468,13 +449,13 @@ def compile_findings(m: Measurements, parts: Parts, phase_ms: dict, it_ms: float
             f"{m.new_graphs} graph{'s' if m.new_graphs > 1 else ''} compiled after warmup, in "
             f"{iterations + 1} iterations",
             {"graphs_after_warmup": m.new_graphs, "reasons": reasons},
-            _cost(slot, phase_ms, it_ms), *_COMPILE_FIX))
+            _cost(slot, phase_ms, it_ms)))
     if m.breaks:
         findings.append(Finding(
             "graph_break", "the compiled code",
             f"{sum(m.breaks.values())} graph breaks after warmup",
             {"reasons": [f"{n} x {r}" for r, n in m.breaks.most_common()]},
-            _cost("model", phase_ms, it_ms), *_COMPILE_FIX))
+            _cost("model", phase_ms, it_ms)))
     return findings
 
 

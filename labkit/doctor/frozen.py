@@ -18,7 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..measure.syncmeter import call_site, parse_site, source_lines
-from .standin import EXPLAIN, Problem, dense_storage, storage_key
+from .kinds import KINDS, Finding
+from .standin import CAUSES, dense_storage, storage_key
 
 
 class Tracer(TorchDispatchMode):
@@ -91,7 +92,7 @@ def _data(value: Any) -> Any:
     return value
 
 
-def frozen_values(before: Tracer, capture: Tracer) -> list[Problem]:
+def frozen_values(before: Tracer, capture: Tracer) -> list[Finding]:
     """What the capture froze that differs from the eager call before it: a Python value
     passed to an op (an index, a learning rate, a seed), a tensor made by an earlier call read
     in place of the one before (state rebound each call: replays read the warm-up's), or
@@ -101,15 +102,15 @@ def frozen_values(before: Tracer, capture: Tracer) -> list[Problem]:
             continue
         where = capture.where[i] if i < len(capture.where) else "<unknown>"
         if b[0] != c[0]:
-            return [Problem("frozen_value", _branch(before, capture, i) or where, (
-                f"{EXPLAIN['frozen_branch']}: the call before ran {b[0]}, the capture {c[0]}"))]
+            return [Finding("frozen_value", _branch(before, capture, i) or where, (
+                f"{CAUSES['frozen_branch']}: the call before ran {b[0]}, the capture {c[0]}"))]
         what = _first_change(b[1:], c[1:])
-        return [Problem("frozen_value", where, f"{EXPLAIN['frozen_value']}: {c[0]} {what}")]
+        return [Finding("frozen_value", where, f"{KINDS['frozen_value'].means}: {c[0]} {what}")]
     if len(before.ops) != len(capture.ops):
         i = min(len(before.ops), len(capture.ops))
         where = capture.where[-1] if capture.where else "<unknown>"
-        return [Problem("frozen_value", _branch(before, capture, i) or where, (
-            f"{EXPLAIN['frozen_branch']}: the call before ran {len(before.ops)} ops, the "
+        return [Finding("frozen_value", _branch(before, capture, i) or where, (
+            f"{CAUSES['frozen_branch']}: the call before ran {len(before.ops)} ops, the "
             f"capture {len(capture.ops)}"))]
     return []
 

@@ -303,14 +303,14 @@ class Plant:
 
 
 PLANTS: dict[str, Plant] = {p.name: p for p in (
-    Plant("item_in_logging", "logger", ItemLogger, AsyncLogger, "host_read", "journey"),
+    Plant("item_in_logging", "logger", ItemLogger, AsyncLogger, "device_read", "journey"),
     Plant("unfused_adam", "optimizer", UnfusedAdam(), Adam, "excess_ops", "journey, GRPO"),
-    Plant("nan_checks", "collector", NanCheckingCollector, DeviceCollector, "host_read",
+    Plant("nan_checks", "collector", NanCheckingCollector, DeviceCollector, "device_read",
           "trace"),
-    Plant("per_item_loop", "metrics", ItemLoopEpisodeStats, DeviceEpisodeStats, "host_read",
+    Plant("per_item_loop", "metrics", ItemLoopEpisodeStats, DeviceEpisodeStats, "device_read",
           "trainer2, GRPO"),
     Plant("cpu_tensor", "metrics", CpuBufferEpisodeStats, DeviceEpisodeStats,
-          "cpu_allocation", "GRPO"),
+          "no_device", "GRPO"),
     Plant("unbounded_buffer", "metrics", HistoryEpisodeStats, DeviceEpisodeStats,
           "memory_growth", "trace"),
     Plant("clone_overuse", "env", CloningForage, ForageTorch, "excess_ops", "GRPO"),

@@ -46,17 +46,11 @@ import torch
 
 from ..measure.syncmeter import short_path
 from .frozen import Tracer, frozen_values
+from .kinds import KINDS, Finding
 from .origins import disabled_scalers, host_state, python_state
-from .standin import (
-    EXPLAIN,
-    REHEARSED,
-    CaptureError,
-    Problem,
-    profile_hook_free,
-    rehearsal,
-)
+from .standin import CAUSES, REHEARSED, CaptureError, profile_hook_free, rehearsal
 
-__all__ = ["REHEARSED", "CaptureError", "Problem", "Report", "StageReport", "rehearsal",
+__all__ = ["REHEARSED", "CaptureError", "Finding", "Report", "StageReport", "rehearsal",
            "rehearse", "rehearse_stage"]
 
 
@@ -66,7 +60,7 @@ class Report:
     replays differ; ``outputs`` are the captured function's outputs, holding the last replay's
     results; ``replays`` how many ran."""
 
-    problems: list[Problem] = field(default_factory=list)
+    problems: list[Finding] = field(default_factory=list)
     outputs: Any = None
     replays: int = 0
 
@@ -147,8 +141,8 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
                 traces.append(tracer)
                 python.append(_changed(before, python_state(fn)))
         except Exception as err:  # noqa: BLE001 - on the CPU, before any capture: said once
-            report.problems = [Problem("unsupported", site, (
-                f"{EXPLAIN['unsupported']}: the step raised in an eager warm-up call on the "
+            report.problems = [Finding("unsupported", site, (
+                f"{KINDS['unsupported'].means}: the step raised in an eager warm-up call on the "
                 f"CPU, before any capture (a GPU-only call the rehearsal does not stand in "
                 f"for, or the step's own error): {_said(err)}"))]
             return report
@@ -173,8 +167,8 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
                 report.replays = replays
             report.outputs = out
         except Exception as err:  # noqa: BLE001 - what the rehearsal cannot model, said once
-            report.problems = [*r.problems, Problem("unsupported", site, (
-                f"{EXPLAIN['unsupported']}: {_said(err)}"))]
+            report.problems = [*r.problems, Finding("unsupported", site, (
+                f"{KINDS['unsupported'].means}: {_said(err)}"))]
             report.replays = 0
     return report
 
@@ -190,7 +184,7 @@ def _changed(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple]:
 
 
 def _python_frozen(changed: dict[str, tuple], fn: Callable, drawn: list[str]
-                   ) -> list[Problem]:
+                   ) -> list[Finding]:
     """Python state that the last eager call and the capture both changed: eager calls go on
     changing it, a replay runs no Python, so it stays where the capture left it (a step
     counter, a list of outputs, a host random generator: then at the line that drew from it).
@@ -199,33 +193,33 @@ def _python_frozen(changed: dict[str, tuple], fn: Callable, drawn: list[str]
     if not changed:
         return []
     if drawn:
-        return [Problem("frozen_value", drawn[0], EXPLAIN["host_random"])]
+        return [Finding("frozen_value", drawn[0], CAUSES["host_random"])]
     code = getattr(getattr(fn, "forward", fn), "__code__", None) or getattr(
         getattr(getattr(fn, "forward", fn), "__func__", None), "__code__", None)
     where = (f"{short_path(code.co_filename)}:{code.co_firstlineno} ({code.co_name})"
              if code is not None else getattr(fn, "__qualname__", repr(fn)))
     shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in list(changed.items())[:3])
-    return [Problem("frozen_value", where, f"{EXPLAIN['python_state']}: {shown}")]
+    return [Finding("frozen_value", where, f"{CAUSES['python_state']}: {shown}")]
 
 
 def _output_problems(warm: Any, out: Any, captured: Tracer, returned: list[str]
-                     ) -> list[Problem]:
+                     ) -> list[Finding]:
     """The capture's outputs against the last warm-up call's: a tensor whose shape changed
     (at the line of the op that made it), and a Python value that changed (at the ``return``:
     a replay returns the capture's value again)."""
     before, after = _paths(warm), _paths(out)
     if [k for k, _ in before] != [k for k, _ in after]:
-        return [Problem("shape", returned[0], f"{EXPLAIN['shape']}: the outputs were "
+        return [Finding("shape", returned[0], f"{KINDS['shape'].means}: the outputs were "
                                               f"{[k for k, _ in before]}, then "
                                               f"{[k for k, _ in after]}")]
     problems = []
     for (path, w), (_, v) in zip(before, after):
         if isinstance(v, torch.Tensor) and _shape(w) != _shape(v):
-            problems.append(Problem("shape", captured.site_of(v) or returned[0], (
-                f"{EXPLAIN['shape']}: {path} was {_shape(w)[0]}, then {_shape(v)[0]}")))
+            problems.append(Finding("shape", captured.site_of(v) or returned[0], (
+                f"{KINDS['shape'].means}: {path} was {_shape(w)[0]}, then {_shape(v)[0]}")))
         elif not isinstance(v, torch.Tensor) and not _same_value(v, w):
-            problems.append(Problem("not_static", returned[0], (
-                f"{EXPLAIN['not_static']}: {path}, a {type(v).__name__}, was {w!r} in the "
+            problems.append(Finding("not_static", returned[0], (
+                f"{KINDS['not_static'].means}: {path}, a {type(v).__name__}, was {w!r} in the "
                 f"call before and {v!r} at capture")))
     return problems
 

@@ -1,7 +1,8 @@
-"""What the doctor reports: a :class:`Finding` per regression (kind, where, evidence, cost,
-the chapter with the fix) and the :class:`Report` of one diagnosis, for people and as JSON;
-:func:`compare_times` sets a diagnosis' timed iterations against another's (a plant's against
-the clean stage's) with a verdict that says when the difference is within the noise."""
+"""What the doctor reports: a :class:`~labkit.doctor.kinds.Finding` per regression (kind,
+where, evidence, cost, the chapter with the fix) and the :class:`Report` of one diagnosis, for
+people and as JSON; :func:`compare_times` sets a diagnosis' timed iterations against another's
+(a plant's against the clean stage's) with a verdict that says when the difference is within
+the noise."""
 from __future__ import annotations
 
 import statistics
@@ -9,27 +10,10 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 
 from ..measure.noise import spread
-
-KINDS = ("host_read", "cpu_allocation", "memory_growth", "excess_ops", "recompile",
-         "graph_break", "precision", "error")
+from .kinds import KINDS, Finding
 
 #: Width of the text report: a finding's summary and fix wrap there.
 WIDTH = 100
-
-
-@dataclass
-class Finding:
-    """One regression: what, where, the evidence, its estimated cost and the chapter to read."""
-
-    kind: str
-    where: str
-    summary: str
-    evidence: dict
-    cost: dict
-    chapter: str
-    fix: str
-
-    to_dict = asdict
 
 
 @dataclass
@@ -41,7 +25,7 @@ class Report:
     ``host_reads``: every read of tensor data on the host in the metered iteration, by
     ``per_step`` (rollout), ``per_update`` and ``by_kind`` (the totals), ``accepted`` (the
     deliberate device reads the stage is meant to make), and the split: ``device`` (reads of
-    device tensors: a sync each on a GPU, the only reads a ``host_read`` finding is about) and
+    device tensors: a sync each on a GPU, the only reads a ``device_read`` finding is about) and
     ``host_scalar`` (tensors that live on the CPU in a GPU run too, such as a non-fused Adam's
     step counters: Python time, no wait for the GPU), each with ``per_step``, ``per_update``
     and ``by_kind``. ``iteration_s_samples``: the seconds of each timed iteration;
@@ -64,7 +48,7 @@ class Report:
 
     @property
     def kinds(self) -> list[str]:
-        return sorted({f.kind for f in self.findings}, key=KINDS.index)
+        return sorted({f.kind for f in self.findings}, key=list(KINDS).index)
 
     to_dict = asdict
 

@@ -77,6 +77,7 @@ from ..measure.syncmeter import (
 )
 from ..stages import assuming
 from .kernel_syncs import checks_on_cpu_only, in_kernel_sync
+from .kinds import KINDS, Finding
 
 stands_in(__file__)  # a problem's line is the caller's, never a stand-in's
 
@@ -84,11 +85,9 @@ _TAGS = {torch.Tag.data_dependent_output: "data_dependent",
          torch.Tag.dynamic_output_shape: "dynamic_shape"}
 if hasattr(torch.Tag, "cudagraph_unsafe"):
     _TAGS[torch.Tag.cudagraph_unsafe] = "cudagraph_unsafe"
-EXPLAIN = {
-    "host_read": "reads tensor data on the host (.item(), .tolist(), a tensor used as a Python "
-                 "number, bool or index, .cpu()): a capture cannot wait for a result",
-    "data_dependent": "an op whose result the host must read (torch tags it "
-                      "data_dependent_output)",
+#: Why a finding of a kind (:data:`~labkit.doctor.kinds.KINDS`) happened, where the kind has
+#: several causes; ``pageable`` is a host-to-device copy"s.
+CAUSES = {
     "item": "reads a tensor's value on the host, as .item() does (a 0-d tensor used as an "
             "index or a Python number is read so): a capture cannot wait for it; index with "
             "index_select, gather or torch.where instead",
@@ -96,51 +95,19 @@ EXPLAIN = {
             "with nonzero, whose count the host reads; use torch.where(mask, values, x) or "
             "x.masked_fill_(mask, value) (a Python number, or a 0-d host scalar, as the value "
             "takes that path)",
-    "dynamic_shape": "an op whose output shape depends on the data (dynamic_output_shape): a "
-                     "graph's shapes are fixed at capture",
-    "cudagraph_unsafe": "an op torch tags as unsafe inside a CUDA graph",
-    "host_tensor": "inside the capture: a host-to-device copy of Python or NumPy data, baked "
-                   "in at capture (make it once, outside, and update it in place)",
-    "kernel_sync": "an op whose CUDA kernel reads the device on the host",
     "host_random": "a number drawn from a host random generator (random, numpy.random) inside "
                    "the capture is drawn once, at capture: every replay reuses it (draw on the "
                    "device with a torch.Generator the graph registers)",
-    "seed": "a seed set inside the captured step: a CUDA generator ignores a seed equal to its "
-            "own during a capture and raises for another, so eager calls restart the random "
-            "stream at every call while replays go on drawing new numbers (seed once, "
-            "outside; register a generator with graph.register_generator_state)",
-    "host_op": "an op on host tensors only runs on the CPU, once, at capture: replays skip it, "
-               "so a CPU step counter or learning rate updated in place stays where the "
-               "capture left it (keep it on the device)",
-    "host_to_device": "a host tensor copied to the device inside the capture: a copy from "
-                      "pageable host memory, which a capture cannot record (copy it once, "
-                      "outside, into a device tensor, and update that in place)",
-    "host_copy": "a copy from the device into a host tensor that waits for the device (into "
-                 "pageable memory, or without non_blocking=True), and a capture cannot wait "
-                 "(copy with non_blocking=True into a pinned buffer made once)",
-    "stream_sync": "a synchronize inside the capture: on a GPU it ends the capture "
-                   "(\"operation not permitted when stream is capturing\"); drop it, or move it "
-                   "after the replay",
-    "optimizer": "optimizer.step() of an optimizer built with capturable=False: torch raises "
-                 "\"Attempting CUDA graph capture of step() ... but param_groups' capturable is "
-                 "False\" (build it with capturable=True and a tensor learning rate)",
-    "unsupported": "the rehearsal cannot model this step, so it cannot say whether it captures",
     "scaler": "GradScaler.step(optimizer) reads found_inf on the host (.item()) before it steps "
               "an optimizer that is not fused: a capture cannot wait for it (use a fused "
               "optimizer, which takes the scale and found_inf on the device)",
     "python_state": "the step changes Python state (eager calls move it on; a replay runs no "
                     "Python, so it stays where the capture left it)",
-    "frozen_value": "a value that changes between eager calls is frozen at capture: every "
-                    "replay uses the capture's (keep it in a device tensor updated in place)",
     "frozen_branch": "the capture ran other ops than the eager call before it (Python control "
                      "flow that changes between calls): every replay repeats the capture's",
-    "host_mix": "a tensor made without device= is a host tensor on a GPU, and an op mixing it "
-                "with device tensors raises there (give it device=, e.g. device=x.device)",
-    "unregistered_generator": "a generator the graph does not know: a real capture raises "
-                              "(register it: graph.register_generator_state)",
-    "shape": "the capture's inputs or outputs differ in shape from the warm-up call's",
-    "not_static": "an output that is not a tensor and changed between calls: every replay "
-                  "returns the capture's value",
+    "pageable": "a host tensor copied to the device inside the capture: a copy from pageable "
+                "host memory, which a capture cannot record (copy it once, outside, into a "
+                "device tensor, and update that in place)",
 }
 #: Tagged dynamic_output_shape for boolean masks only: with integer indices the output has
 #: the indices' shape.
@@ -168,23 +135,10 @@ def _constructors() -> set:
                 torch.eye, torch.scalar_tensor}
 
 
-@dataclass
-class Problem:
-    """Something a real CUDA graph capture would not allow or not replay: its ``kind``,
-    ``where`` it happened (``file:line (function)``) and what."""
-
-    kind: str
-    where: str
-    what: str
-
-    def __str__(self) -> str:
-        return f"[{self.kind}] {self.where}: {self.what}"
-
-
 class CaptureError(RuntimeError):
     """A rehearsed capture found what would make a real one fail or replay wrong."""
 
-    def __init__(self, problems: list[Problem]) -> None:
+    def __init__(self, problems: list[Finding]) -> None:
         self.problems = problems
         lines = "\n".join(f"  {p}" for p in problems)
         super().__init__(f"the capture could not be a CUDA graph ({len(problems)} problem"
@@ -280,7 +234,7 @@ class _Recorder(TorchDispatchMode):
         self.saved: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         self.fresh: list[torch.Tensor] = []
-        self.problems: list[Problem] = []
+        self.problems: list[Finding] = []
         self.host = rehearsal.host  # tensor -> where it was made on the host
         self.constructing: list[tuple[str, bool]] = []  # (constructor, given a device) calls
         self.cpu_only_checks = 0  # inside a call whose host reads are the CPU's own checks
@@ -307,7 +261,7 @@ class _Recorder(TorchDispatchMode):
         if host and writes and not self.rehearsal.in_read and any(
                 storage_key(t) not in self.made for a, v in named
                 if a.alias_info is not None and a.alias_info.is_write for t in _tensors(v)):
-            self._problem("host_op", f"{EXPLAIN['host_op']}: {func} writes the tensor made at "
+            self._problem("host_op", f"{KINDS['host_op'].means}: {func} writes the tensor made at "
                                      f"{host}")
         rng_state = self._generator(func, named)
         out = func(*args, **kwargs)
@@ -354,7 +308,7 @@ class _Recorder(TorchDispatchMode):
         if name == "lift_fresh":
             self._lifted(by_name.get("self"))
         if name in _INDEX_PUTS and self._masked_put(named):
-            self._problem("dynamic_shape", f"{EXPLAIN['mask']}: {func}")
+            self._problem("dynamic_shape", f"{CAUSES['mask']}: {func}")
         synced = in_kernel_sync(name, by_name)
         if synced:
             self._problem("kernel_sync", f"{synced}: {func}")
@@ -370,7 +324,7 @@ class _Recorder(TorchDispatchMode):
             kind = _TAGS[tag]
             said = ("item" if name == "_local_scalar_dense" else
                     "mask" if name in _INDEXING else kind)
-            self._problem(kind, f"{EXPLAIN[said]}: {func}")
+            self._problem(kind, f"{CAUSES[said] if said in CAUSES else KINDS[kind].means}: {func}")
 
     def _masked_put(self, named: list) -> bool:
         """``x[mask] = value``: a boolean index syncs on CUDA unless it is the one index and
@@ -391,7 +345,7 @@ class _Recorder(TorchDispatchMode):
         if isinstance(value, torch.Tensor) and value.dim() == 0 and not on_device:
             return
         what = f"{made}(...)" if made else _maker_in_source(call_site(internal=(__file__,)))
-        self._problem("host_tensor", f"{what} {EXPLAIN['host_tensor']}")
+        self._problem("host_tensor", f"{what} {KINDS['host_tensor'].means}")
 
     def _host_inputs(self, func, named: list) -> str | None:
         """Where the host tensors among an op's inputs were made, if all its inputs are host
@@ -411,17 +365,17 @@ class _Recorder(TorchDispatchMode):
                 and not (target in self.rehearsal.pinned and _non_blocking(named)) \
                 and not (isinstance(source, torch.Tensor) and (source in self.host
                                                                or source in self.lifts)):
-            self._problem("host_copy", f"{EXPLAIN['host_copy']} (made at {self.host[target]})")
+            self._problem("host_copy", f"{KINDS['host_copy'].means} (made at {self.host[target]})")
             return None
         mixed = [self.host[t] for t in tensors if t in self.host and t.dim() > 0]
         if mixed and name not in _CROSS_DEVICE and not self.rehearsal.in_read:
-            self._problem("host_mix", f"{EXPLAIN['host_mix']}: {func} mixes the tensor "
+            self._problem("host_mix", f"{KINDS['host_mix'].means}: {func} mixes the tensor "
                                       f"made at {mixed[0]}")
         return None
 
     def _problem(self, kind: str, what: str | None = None) -> None:
-        self.problems.append(Problem(kind, call_site(internal=(__file__,)),
-                                     what or EXPLAIN[kind]))
+        self.problems.append(Finding(kind, call_site(internal=(__file__,)),
+                                     what or KINDS[kind].means))
 
     def _generator(self, func, named) -> tuple[torch.Generator, torch.Tensor] | None:
         """Note a random op's generator; for one the graph does not know, the state a replay
@@ -435,7 +389,7 @@ class _Recorder(TorchDispatchMode):
         self._remember(known or gen)
         if known is not None:
             return None
-        self._problem("unregistered_generator", f"{EXPLAIN['unregistered_generator']}: "
+        self._problem("unregistered_generator", f"{KINDS['unregistered_generator'].means}: "
                                                 f"{func} draws from it")
         return gen, gen.get_state()
 
@@ -514,7 +468,7 @@ class _HostMade(TorchFunctionMode):
         made, host = _made_on_host(func, args, kwargs, sys._getframe(1))
         moved = _moved_to_host(func, args, kwargs, sys._getframe(1))
         if moved is False and args[0] in recorder.host and not recorder.rehearsal.in_read:
-            recorder._problem("host_copy", f"{EXPLAIN['host_to_device']} (made at "
+            recorder._problem("host_copy", f"{CAUSES['pageable']} (made at "
                                            f"{recorder.host[args[0]]})")
         if made:
             recorder.constructing.append((_name(func), not host))
@@ -534,7 +488,7 @@ class _HostMade(TorchFunctionMode):
                 # torch.from_numpy: no op of torch's makes it, so the dispatch level never
                 # sees it; the data still has to reach the device
                 recorder._problem("host_tensor", f"{_name(func)}(...) "
-                                                 f"{EXPLAIN['host_tensor']}")
+                                                 f"{KINDS['host_tensor'].means}")
         return out
 
 
@@ -667,7 +621,7 @@ def _synchronized(what: str) -> None:
     """A synchronize call: a problem if it happens inside a rehearsed capture."""
     recorder = _ACTIVE[-1].recorder if _ACTIVE else None
     if recorder is not None:
-        recorder._problem("stream_sync", f"{what}: {EXPLAIN['stream_sync']}")
+        recorder._problem("stream_sync", f"{what}: {KINDS['stream_sync'].means}")
 
 
 def _host_generators() -> tuple[type, ...]:
@@ -699,7 +653,7 @@ def _host_random(recorder: _Recorder) -> Iterator[None]:
             if frame is not None:
                 site = (f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} "
                         f"({frame.f_code.co_name})")
-                recorder.problems.append(Problem("frozen_value", site, EXPLAIN["host_random"]))
+                recorder.problems.append(Finding("frozen_value", site, CAUSES["host_random"]))
         if previous is not None:
             previous(frame, event, arg)
 
@@ -722,7 +676,7 @@ def _seeded(name: str, original: Callable) -> Callable:
     def seed(value: int) -> None:
         recorder = _ACTIVE[-1].recorder if _ACTIVE else None
         if recorder is not None:
-            recorder._problem("seed", f"{name}({value}): {EXPLAIN['seed']}")
+            recorder._problem("seed", f"{name}({value}): {KINDS['seed'].means}")
         original(value)
     return seed
 
@@ -788,7 +742,7 @@ def _scaler_step(original: Callable) -> Callable:
         if recorder is not None and str(getattr(self, "_device", "")) == "cuda" \
                 and id(self) not in _ACTIVE[-1].disabled_scalers \
                 and not getattr(optimizer, "_step_supports_amp_scaling", False):
-            recorder._problem("host_read", EXPLAIN["scaler"])
+            recorder._problem("device_read", CAUSES["scaler"])
         return original(self, optimizer, *args, **kwargs)
     return step
 
@@ -800,7 +754,7 @@ def _capture_health_check(optimizer: torch.optim.Optimizer) -> None:
     recorder = _ACTIVE[-1].recorder if _ACTIVE else None
     if recorder is not None and not all(g.get("capturable", False)
                                         for g in optimizer.param_groups):
-        recorder._problem("optimizer", f"{type(optimizer).__name__}: {EXPLAIN['optimizer']}")
+        recorder._problem("optimizer", f"{type(optimizer).__name__}: {KINDS['optimizer'].means}")
 
 
 def _optimizer_stand_ins() -> list[tuple[Any, str, Any]]:
@@ -838,7 +792,7 @@ class rehearsal:  # noqa: N801 - used like torch's context managers
 
     def __init__(self, strict: bool = True) -> None:
         self.strict = strict
-        self.problems: list[Problem] = []
+        self.problems: list[Finding] = []
         self.graphs: list[_Graph] = []
         self.capturing = False
         self.recorder: _Recorder | None = None  # the capture's, while one runs
@@ -879,7 +833,7 @@ class rehearsal:  # noqa: N801 - used like torch's context managers
             reads: dict[str, list] = {}  # by the line in labkit or user code; torch's kept
             for site, n in meter.sites.items():
                 reads.setdefault(site.split(" via ")[0], [site, 0])[1] += n
-            found = [Problem("host_read", site, f"{EXPLAIN['host_read']} ({n}x)")
+            found = [Finding("device_read", site, f"{KINDS['device_read'].means} ({n}x)")
                      for site, n in reads.values()] + recorder.problems
             found = list({(p.kind, p.where): p for p in found}.values())
             self.problems += found

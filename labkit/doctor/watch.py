@@ -50,19 +50,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..measure import hostflow
 from ..measure.kernels import compiled_kernels
 from ..measure.syncmeter import SyncMeter, call_site, short_path
+from .kinds import KINDS, Finding
 from .meters import dynamo_state, rss_mb
 
-#: The chapter that teaches the fix of each finding's kind.
-CHAPTERS = {"device_read": "07_metrics_on_the_device (and 02, 'Sampling an action without a "
-                          "sync')",
-            "host_scalar_read": "08_fused_optimizers_and_amp",
-            "no_device": "03_tensors_on_the_device, 'Factories without device='",
-            "host_to_device": "03_tensors_on_the_device, 'Factories without device='",
-            "from_data": "03_tensors_on_the_device, 'Factories without device='",
-            "clone": "04_batch_everything, 'Clones: when a copy is needed, and when it is waste'",
-            "graph_break": "06_compile_and_warm_up", "recompile": "06_compile_and_warm_up",
-            "graph_growth": "06_compile_and_warm_up", "recompile_limit": "06_compile_and_warm_up",
-            "memory_growth": "10_the_regression_hunt"}
 _OBSERVED: dict[int, tuple] = {}  # id(op) -> (op, name, counted, what it may make or move)
 _SPECIAL = {"aten::lift_fresh": "from_data", "aten::lift_fresh_copy": "from_data",
             "aten::clone": "clone", "aten::_to_copy": "copy", "aten::copy_": "copy"}
@@ -138,19 +128,6 @@ class _Observing:
 
 
 @dataclass
-class WatchFinding:
-    """One thing the watch saw: its kind, where (``file:line (function)``), how often per
-    iteration and in all, and the chapter that teaches the fix."""
-
-    kind: str
-    where: str
-    total: int
-    per_iteration: float | None
-    chapter: str
-    note: str = ""
-
-
-@dataclass
 class WatchReport:
     """What a watch saw: ``findings``, the totals, ``ops_per_iteration`` with the top kinds,
     ``memory`` at each ``step()``, dynamo's ``new_graphs``, ``graph_breaks`` (reason: count),
@@ -158,7 +135,7 @@ class WatchReport:
 
     iterations: int
     seconds: float
-    findings: list[WatchFinding] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
     device_reads: int = 0
     host_scalar_reads: int = 0
     cuda_syncs: int | None = None
@@ -182,7 +159,7 @@ class WatchReport:
     @classmethod
     def from_dict(cls, data: dict) -> WatchReport:
         """The report ``to_dict`` (or ``--json``) wrote."""
-        data = dict(data, findings=[WatchFinding(**f) for f in data.get("findings", [])])
+        data = dict(data, findings=[Finding(**f) for f in data.get("findings", [])])
         data["top_ops"] = [tuple(pair) for pair in data.get("top_ops", [])]
         return cls(**data)
 
@@ -211,14 +188,14 @@ class WatchReport:
                     and isinstance(first[k], float) and isinstance(last.get(k), float)}
             lines.append("  memory from the first to the last step: " + ", ".join(
                 f"{k} {v:+,.1f}" for k, v in grew.items()))
-        shown = sorted(self.findings, key=lambda f: (-f.total, f.kind, f.where))[:top]
+        shown = sorted(self.findings, key=lambda f: (-f.evidence["total"], f.kind, f.where))[:top]
         if shown:
             lines.append("findings (most first):")
         for f in shown:
-            n = f"{f.per_iteration:.4g}" if f.per_iteration is not None else f"{f.total}"
+            total, per = f.evidence["total"], f.evidence["per_iteration"]
+            n = f"{per:.4g}" if per is not None else f"{total}"
             lines.append(f"  {f.kind:<17} {n:>6} at {f.where}")
-            lines.append(f"  {'':<17} {'':>6}   {f.note + '; ' if f.note else ''}fix: chapter "
-                         f"{f.chapter}")
+            lines.append(f"  {'':<17} {'':>6}   {f.summary}; fix: chapter {f.chapter}")
         if len(self.findings) > len(shown):
             lines.append(f"  ... {len(self.findings) - len(shown)} more (--json lists all)")
         lines.extend(f"note: {n}" for n in self.notes)
@@ -369,50 +346,42 @@ class watch:  # noqa: N801 - a context manager, used like torch's
         r.host_scalar_reads = sum(self.reads.values()) - r.device_reads
         r.ops = sum(self.ops.values())
         r.top_ops = self.ops.most_common(12)
-        per = r.per
+        def found(kind: str, where: str, n: int, summary: str, per: float | None = None
+                  ) -> None:
+            r.findings.append(Finding(kind, where, summary, {
+                "total": n, "per_iteration": r.per(n) if per is None else per}))
+
         for site, n in self.device_site_reads.items():
-            r.findings.append(WatchFinding("device_read", site, n, per(n), CHAPTERS["device_read"],
-                                           "a sync on a GPU"))
+            found("device_read", site, n, "a sync on a GPU")
         for site, n in (self.reads - self.device_site_reads).items():
-            r.findings.append(WatchFinding("host_scalar_read", site, n, per(n),
-                                           CHAPTERS["host_scalar_read"],
-                                           "a CPU tensor: Python time, no wait for the GPU"))
-        notes = {"no_device": "a factory that names no device (or the CPU): a host tensor",
-                 "host_to_device": "a host-to-device copy", "clone": "a clone: a full copy",
-                 "from_data": "a tensor made from Python or NumPy data (a host-to-device copy "
-                              "each where it then goes to a GPU)"}
-        for kind, note in notes.items():
+            found("host_scalar_read", site, n, "a CPU tensor: Python time, no wait for the GPU")
+        for kind in ("no_device", "host_to_device", "clone", "from_data"):
             for site, n in self.calls.get(kind, Counter()).items():
-                r.findings.append(WatchFinding(kind, site, n, per(n), CHAPTERS[kind], note))
+                found(kind, site, n, KINDS[kind].means)
         for reason, n in self._breaks.items():
-            r.findings.append(WatchFinding("graph_break", reason[:200], n, per(n),
-                                           CHAPTERS["graph_break"], "dynamo's reason"))
+            found("graph_break", reason[:200], n, "dynamo's reason")
         growing = {where: entry for where, entry in self._growth.items()
                    if entry[1] >= 2 or where in self._limits}  # keeps growing, or stopped
         for where, n in self._recompiled.items():
             if where not in growing:
-                r.findings.append(WatchFinding("recompile", where, n, per(n),
-                                               CHAPTERS["recompile"], "a new graph each; last "
-                                               f"guard that failed: {self._reasons[where]}"))
+                found("recompile", where, n, "a new graph each; last guard that failed: "
+                                             f"{self._reasons[where]}")
         for where, (graphs, its) in growing.items():
-            r.findings.append(WatchFinding(
-                "graph_growth", where, graphs, graphs / (self.iterations - 2),
-                CHAPTERS["graph_growth"], f"new graphs in {its} of the {self.iterations - 2}"
-                f" iterations after warm-up; last guard that failed: {self._reasons[where]}"))
+            found("graph_growth", where, graphs, f"new graphs in {its} of the "
+                  f"{self.iterations - 2} iterations after warm-up; last guard that failed: "
+                  f"{self._reasons[where]}", graphs / (self.iterations - 2))
         for where, reason in self._limits.items():
-            r.findings.append(WatchFinding(
-                "recompile_limit", where, 1, None, CHAPTERS["recompile_limit"],
-                "torch._dynamo.config.recompile_limit reached: it runs eagerly from then on, "
-                f"silently; last guard that failed: {_first_line(reason)}"))
+            r.findings.append(Finding("recompile_limit", where, f"{KINDS['recompile_limit'].means}"
+                                      f"; last guard that failed: {_first_line(reason)}",
+                                      {"total": 1, "per_iteration": None}))
         later = self.iterations - self._containers_at
         if self._containers is not None and later > 0:  # one scan more, at the report
             for key, (obj, n) in _tensor_containers(objects=True).items():
                 grew = n - self._containers.get(key, n)
                 if grew > 0:
-                    r.findings.append(WatchFinding(
-                        "memory_growth", f"a {type(obj).__name__} held as {_origin(obj)}",
-                        grew, grew / later, CHAPTERS["memory_growth"],
-                        f"tensors it gained since iteration {self._containers_at}"))
+                    found("memory_growth", f"a {type(obj).__name__} held as {_origin(obj)}",
+                          grew, f"tensors it gained since iteration {self._containers_at}",
+                          grew / later)
         if not self.iterations:
             r.notes.append("no iteration was marked (step(), or --function): counts are totals")
         r.notes.append("not seen: other processes (SubprocVecEnv workers), other threads' "

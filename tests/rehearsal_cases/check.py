@@ -57,7 +57,7 @@ def at_site(where: str, path: str, line: int) -> bool:
 
 
 def classify(case: Case, report: Any) -> str:
-    """The outcome of a report (``ok`` and ``problems`` with ``kind``, ``where``, ``what``)."""
+    """The outcome of a report (``ok`` and ``problems`` with ``kind``, ``where``, ``summary``)."""
     if case.expect == "capturable":
         return "agree" if report.ok else "false_alarm"
     if report.ok:
@@ -66,7 +66,7 @@ def classify(case: Case, report: Any) -> str:
     here = [p for p in report.problems if at_site(p.where, path, line)]
     if not here:
         return "wrong_line"
-    if case.says and not any(all(w.lower() in f"{p.kind} {p.what}".lower() for w in case.says)
+    if case.says and not any(all(w.lower() in f"{p.kind} {p.summary}".lower() for w in case.says)
                              for p in here):
         return "vague"
     return "agree"
