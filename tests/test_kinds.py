@@ -55,3 +55,13 @@ def test_watch_and_the_rehearsal_report_the_one_finding_type():
     assert not report.ok and all(type(p) is Finding for p in report.problems)
     assert {p.kind for p in report.problems} == {"device_read"}
     assert all(p.chapter == KINDS[p.kind].chapter for p in report.problems)
+
+
+def test_the_doctors_report_names_a_notebook_that_exists_for_every_kind():
+    from labkit.doctor import Report
+
+    report = Report("7 fused_amp", "cpu", 8, 8, 1,
+                    findings=[Finding(kind, "here", "a finding") for kind in KINDS])
+    read = re.findall(r"read: (notebooks/\S+\.ipynb)", report.format())
+    root = Path(__file__).parent.parent
+    assert len(read) == len(KINDS) and all((root / path).is_file() for path in read), read

@@ -5,6 +5,7 @@ people and as JSON; :func:`compare_times` sets a diagnosis' timed iterations aga
 the noise."""
 from __future__ import annotations
 
+import re
 import statistics
 import textwrap
 from dataclasses import asdict, dataclass, field
@@ -79,7 +80,8 @@ class Report:
             lines += [f"     {line}" for line in _evidence_lines(f)[:evidence]]
             lines += _wrap(f"   cost: {_cost_text(f.cost)}", "     ")
             lines += _wrap(f"   fix: {f.fix}", "     ")
-            lines.append(f"   read: notebooks/{f.chapter}.ipynb")
+            notebook, section = re.match(r"(\d\d_\w+)(.*)", f.chapter).groups()
+            lines.append(f"   read: notebooks/{notebook}.ipynb{section}")
         return "\n".join(lines)
 
     __str__ = format
