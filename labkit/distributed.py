@@ -11,9 +11,15 @@ of these points, so the same code runs with and without torchrun.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
 import os
-from collections.abc import Callable, Iterable
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +28,11 @@ import torch.distributed as dist
 
 #: The sampling generator of rank r is seeded with seed + SEED_STRIDE * r (rank 0: the seed).
 SEED_STRIDE = 1_000_003
+#: The most processes a run may have (a WORLD_SIZE above it is a typo, not a cluster).
+MAX_WORLD = 65_536
+#: How long a rank waits for the others to join, in seconds, unless LABKIT_RENDEZVOUS_TIMEOUT
+#: says otherwise; torch also gives each collective this long.
+RENDEZVOUS_TIMEOUT_S = 300
 
 
 @dataclass(frozen=True)
@@ -127,7 +138,7 @@ def _env_int(name: str, default: int | None, low: int, high: int | None = None,
 
 def world_size() -> int:
     """The number of processes torchrun started (1 without torchrun)."""
-    return _env_int("WORLD_SIZE", 1, 1)
+    return _env_int("WORLD_SIZE", 1, 1, MAX_WORLD)
 
 
 def current() -> Group:
@@ -159,10 +170,61 @@ def join(device_type: str = "cpu") -> Group:
                     f"device(s); start at most {count} process(es) per node "
                     f"(torchrun --nproc-per-node {max(count, 1)}) or train with --device cpu")
             torch.cuda.set_device(group.local_rank)
-            dist.init_process_group("cpu:gloo,cuda:nccl")
-        else:
-            dist.init_process_group("gloo")
+        _rendezvous(group, "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo")
     return group
+
+
+def _rendezvous(group: Group, backend: str) -> None:
+    """``init_process_group`` bounded in time and stoppable: MASTER_ADDR resolved first (one
+    line where it cannot be), the wait bounded by LABKIT_RENDEZVOUS_TIMEOUT (said when it
+    starts), and a stop signal ending it at once. torch waits in C++, where no Python signal
+    handler runs until it returns, so the stop signals have their default action meanwhile:
+    the process ends, killed by the signal (exit 128 + n in a shell); nothing of the run has
+    been written yet."""
+    timeout = _env_int("LABKIT_RENDEZVOUS_TIMEOUT", RENDEZVOUS_TIMEOUT_S, 1, 86_400)
+    addr = os.environ.get("MASTER_ADDR", "").strip()
+    if not addr:
+        raise ValueError("MASTER_ADDR is not set: start the processes with torchrun, which "
+                         "sets it")
+    try:
+        socket.getaddrinfo(addr, None)
+    except (socket.gaierror, UnicodeError) as err:
+        raise ValueError(f"MASTER_ADDR={addr[:80]!r} cannot be resolved ({err}): name the "
+                         "host of rank 0, e.g. MASTER_ADDR=127.0.0.1 on one machine") from None
+    where = f"{addr}:{os.environ.get('MASTER_PORT', '').strip() or '?'}"
+    with _default_stop_signals():
+        if group.is_main:
+            print(f"rank 0 of {group.world}: waiting up to {timeout} s for the other ranks at "
+                  f"{where} (LABKIT_RENDEZVOUS_TIMEOUT; a stop signal ends the wait)",
+                  file=sys.stderr, flush=True)
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        except dist.DistError as err:
+            if "time" not in str(err).lower():
+                raise
+            said = (f"rank {group.rank} of {group.world}: the other ranks did not join at "
+                    f"{where} within {timeout} s (LABKIT_RENDEZVOUS_TIMEOUT): start every rank "
+                    "with the same MASTER_ADDR and MASTER_PORT")
+            if not group.is_main:  # the CLI speaks for rank 0 alone; a rank alone says it
+                print(f"error: {said}", file=sys.stderr, flush=True)
+            raise TimeoutError(said) from None
+
+
+@contextlib.contextmanager
+def _default_stop_signals() -> Iterator[None]:
+    """Inside: the stop signals (SIGINT, SIGTERM, SIGHUP) do what they do by default, end the
+    process, in the main thread (elsewhere signals are not this thread's to set)."""
+    from .signals import STOP_SIGNALS
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_DFL) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def leave(group: Group) -> None:

@@ -351,7 +351,7 @@ def test_a_stage_named_twice_is_measured_once():
 
 @pytest.mark.parametrize("env, needle", [
     ({"WORLD_SIZE": "2"}, "RANK is not set, but WORLD_SIZE=2"),
-    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be in 1..65536"),
     ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' must be an integer"),
     ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5 must be in 0..1 (WORLD_SIZE=2)"),
     ({"WORLD_SIZE": "2", "RANK": "-1"}, "RANK=-1 must be in 0..1"),
@@ -359,6 +359,11 @@ def test_a_stage_named_twice_is_measured_once():
     ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
      "LOCAL_RANK=2 must be in 0..1 (LOCAL_WORLD_SIZE=2)"),
     ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "99999"}, "MASTER_PORT=99999 must be in"),
+    ({"WORLD_SIZE": str(10**9), "RANK": "0"}, "WORLD_SIZE=1000000000 must be in 1..65536"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "no-such-host.invalid",
+      "MASTER_PORT": "29500"}, "MASTER_ADDR='no-such-host.invalid' cannot be resolved"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+      "LABKIT_RENDEZVOUS_TIMEOUT": "0"}, "LABKIT_RENDEZVOUS_TIMEOUT=0 must be in 1..86400"),
     ({"LABKIT_DEBUG": "maybe"}, "LABKIT_DEBUG='maybe' must be one of"),
     ({"LABKIT_GIT_COMMIT": "<script>"}, "LABKIT_GIT_COMMIT='<script>' must be a commit"),
     ({"LABKIT_GIT_COMMIT": "abc"}, "must be a commit: 7 to 40 hex digits"),
@@ -367,7 +372,8 @@ def test_the_environment_is_checked_like_the_flags(tmp_path, monkeypatch, capsys
     """torchrun's and labkit's variables, each named in one line, exit 2, before any
     rendezvous or any file: a rank outside the world never waits forever."""
     monkeypatch.chdir(tmp_path)
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT",
+                 "MASTER_ADDR", "LABKIT_RENDEZVOUS_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

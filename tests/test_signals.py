@@ -4,7 +4,12 @@ save, nor swallowed, nor while a pipeline builds. Sections 3 and 4 of the reliab
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -194,3 +199,49 @@ def test_every_command_stops_alike_on_a_signal(tmp_path, monkeypatch, capsys, ca
         assert "while writing the results; they are all written" in lines[0]
     else:
         assert files == [] and "stopped" in lines[0]
+
+
+def _lone_rank(out: Path, rank: int, **env: str) -> tuple[subprocess.Popen, int]:
+    """One rank of a two-rank run whose other rank never starts, and its MASTER_PORT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
+           "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "PYTHONFAULTHANDLER": "1", **env}
+    return subprocess.Popen([sys.executable, "-m", "labkit", "train", *TINY, "--out", str(out)],
+                            stderr=subprocess.PIPE, text=True, env=env), port
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_rank_waiting_for_its_peers_stops_at_once_on_a_signal(tmp_path, sig):
+    """torch waits for the other ranks in C++, where a Python handler never runs: the stop
+    signals end that wait by their default action (exit 128 + n in a shell), before anything
+    of the run is written."""
+    proc, _ = _lone_rank(tmp_path / "run", 0)
+    said = ""
+    while "waiting up to" not in said and proc.poll() is None:
+        said = proc.stderr.readline()
+    assert "waiting up to 300 s for the other ranks" in said, said
+    time.sleep(1.0)  # inside torch's wait
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    _, err = finish(proc, timeout=20)
+    assert proc.returncode == -sig, (proc.returncode, err[-3000:])  # killed by it: no one left
+    assert time.monotonic() - sent < 20
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_whose_peers_never_come_stops_after_its_timeout_in_one_line(tmp_path, rank):
+    started = time.monotonic()
+    proc, port = _lone_rank(tmp_path / "run", rank, LABKIT_RENDEZVOUS_TIMEOUT="2")
+    _, err = finish(proc, timeout=60)
+    assert proc.returncode == 1, err[-3000:]
+    said = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert said == [f"error: rank {rank} of 2: the other ranks did not join at 127.0.0.1:"
+                    f"{port} within 2 s (LABKIT_RENDEZVOUS_TIMEOUT): start "
+                    "every rank with the same MASTER_ADDR and MASTER_PORT"], err[-3000:]
+    assert time.monotonic() - started < 60 and not (tmp_path / "run").exists()
