@@ -84,6 +84,35 @@ class EagerEpisodeStats:
         self.lengths = [n for _, lengths in gathered for n in lengths]
 
 
+def _check_reachable(count: float, sum_return: float, sum_sq: float, sum_length: float,
+                     low: float, high: float) -> None:
+    """Accumulators some episodes can have made: a whole count, lengths >= 1 each, each
+    |return| at most its episode's length (rewards are -1, 0 or +1), squares and extremes
+    consistent with the sums (a little slack for float rounding); none at all: zeros and the
+    empty extremes (+inf, -inf)."""
+    slack = 1e-6 * max(1.0, abs(sum_length))
+    if count < 0 or count != int(count):
+        bad = "sums[0], the episode count, must be a whole number >= 0"
+    elif count == 0:
+        bad = None if (sum_return, sum_sq, sum_length, low, high) == (
+            0, 0, 0, math.inf, -math.inf) else "with no episode, the sums must be 0 and " \
+                                                "min/max +inf/-inf"
+    elif sum_length < count:
+        bad = "sums[3], the summed lengths, must be at least one step per episode"
+    elif abs(sum_return) > sum_length + slack or max(abs(low), abs(high)) > sum_length + slack:
+        bad = ("returns must be reachable: each |return| at most its episode's length "
+               "(rewards are -1, 0 or +1)")
+    elif sum_sq < sum_return ** 2 / count - slack * max(1.0, abs(sum_sq)) \
+            or sum_sq > sum_length ** 2 + slack:
+        bad = "sums[2], the summed squared returns, do not fit the summed returns and lengths"
+    elif not low - slack <= sum_return / count <= high + slack:
+        bad = "min and max must bound the mean return"
+    else:
+        bad = None
+    if bad:
+        raise ValueError(f"metrics state: {bad}")
+
+
 class DeviceEpisodeStats:
     """Aggregate on the device with masked reductions: no host read in ``update``, one in
     ``summary``. Fixed memory: six accumulators, whatever the number of episodes.
@@ -133,6 +162,7 @@ class DeviceEpisodeStats:
             check_state_tensor(f"metrics state[{key!r}]", state[key], like, finite=False)
             if bool(state[key].detach().cpu().isnan().any()):
                 raise ValueError(f"metrics state[{key!r}] must not hold NaN")
+        _check_reachable(*state["sums"].tolist(), float(state["min"]), float(state["max"]))
         # In place: a captured rollout step holds these accumulators.
         self._sums.copy_(state["sums"])
         self._min.copy_(state["min"])

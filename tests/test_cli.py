@@ -162,6 +162,35 @@ def test_plot_runs_on_a_missing_folder_is_a_clear_error(tmp_path, capsys):
     assert code == 2 and "not a train run folder" in err and err.count("\n") == 1
 
 
+def test_plot_runs_names_a_gap_in_a_runs_history(finished_run, tmp_path, capsys):
+    """A history with iterations missing (truncated in place, or edited) is drawn without
+    them, and the gap is named, on stderr and in the figure's legend."""
+    import matplotlib.pyplot as plt
+
+    from labkit.book.plots import history_gaps, run_curve
+
+    run = tmp_path / "torn"
+    shutil.copytree(finished_run, run)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2  # TINY: 2 iterations; make it 5 with 1, 4 and 5 kept
+    records = [json.loads(lines[0])] + [{**json.loads(lines[1]), "iteration": i}
+                                        for i in (4, 5)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert history_gaps(run_curve(run)) == ["2-3"]
+    assert history_gaps(run_curve(finished_run)) == []
+    shown = []
+    real = plt.Axes.legend
+    plt.Axes.legend = lambda ax, *a, **k: shown.extend(ax.get_legend_handles_labels()[1]) or \
+        real(ax, *a, **k)
+    try:
+        code, _, err = run_cli(["plot-runs", str(run), "--out", str(tmp_path / "c.png")], capsys)
+    finally:
+        plt.Axes.legend = real
+    assert code == 0 and (tmp_path / "c.png").is_file()
+    assert f"note: {run / 'metrics.jsonl'} has no record of iteration(s) 2-3" in err
+    assert "torn (no iteration 2-3)" in shown
+
+
 # ---------------------------------------------------------------- bad CLI inputs, a table
 
 

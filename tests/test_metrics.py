@@ -126,3 +126,38 @@ def test_cuda_matches_eager_without_syncs_in_update():
             stats.update(done, ret, length)
     assert meter.host_reads == 0
     assert meter.cuda_syncs == 0
+
+
+def _device_state(stats: DeviceEpisodeStats, **edits: float) -> dict:
+    state = stats.state_dict()
+    names = ("count", "sum_return", "sum_sq", "sum_length")
+    for i, name in enumerate(names):
+        if name in edits:
+            state["sums"][i] = edits[name]
+    for key in ("min", "max"):
+        if key in edits:
+            state[key].fill_(edits[key])
+    return state
+
+
+@pytest.mark.parametrize("edits, needle", [
+    ({"count": 2.5}, "whole number"),
+    ({"count": -1.0}, "whole number"),
+    ({"count": 0.0}, "with no episode"),
+    ({"sum_length": 1.0}, "at least one step per episode"),
+    ({"sum_return": 1e9}, "returns must be reachable"),  # 3 episodes of a few steps: never
+    ({"max": 1e9}, "returns must be reachable"),
+    ({"sum_sq": -1.0}, "squared returns"),
+    ({"sum_sq": 1e12}, "squared returns"),
+    ({"min": 5.0, "max": 5.0}, "bound the mean"),
+])
+def test_device_stats_refuse_accumulators_no_episodes_can_make(edits, needle):
+    stats = DeviceEpisodeStats()
+    done = torch.tensor([True, False, True, True])
+    stats.update(done, torch.tensor([2.0, 0.0, -1.0, 0.0]), torch.tensor([4, 1, 3, 2]))
+    fresh = DeviceEpisodeStats()
+    fresh.load_state_dict(stats.state_dict())  # what it made is taken
+    assert fresh.state_dict()["sums"].tolist() == [3.0, 1.0, 5.0, 9.0]
+    DeviceEpisodeStats().load_state_dict(DeviceEpisodeStats().state_dict())  # no episode yet
+    with pytest.raises(ValueError, match=needle):
+        fresh.load_state_dict(_device_state(stats, **edits))

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -316,3 +317,57 @@ def test_no_file_is_written_through_a_link_in_the_run_folder(tmp_path, monkeypat
         if not dangling:
             assert victim.read_text() == "keep me", name
         assert (run / name).is_symlink()
+
+
+# ------------------------------------------------------------------ 57.3: a torn history
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncate", "rewrite"])
+def test_metrics_torn_while_the_run_goes_stop_it_naming_the_file(tmp_path, damage):
+    """``metrics.jsonl`` truncated in place (``: > metrics.jsonl``) or its last record
+    rewritten by another process while a real run appends to it: the run stops, exit 2, in one
+    line naming the file, and a resume refuses the truncated history."""
+    out = tmp_path / "run"
+    proc = start_training(out, "--checkpoint-every", "2")
+    path = out / "metrics.jsonl"
+    wait_for(lambda: metrics_lines(out) >= 3, what="three iterations")
+    proc.send_signal(signal.SIGSTOP)  # no record lands while the file is damaged
+    time.sleep(0.2)
+    if damage == "truncate":
+        os.truncate(path, 0)
+    else:  # the same bytes but one, in the last record: only its hash tells
+        data = bytearray(path.read_bytes())
+        end = data.rindex(b'"iteration": ')
+        data[end + 13:end + 14] = b"9" if data[end + 13:end + 14] != b"9" else b"8"
+        with open(path, "r+b") as f:
+            f.write(data)
+    proc.send_signal(signal.SIGCONT)
+    _, err = runs.finish(proc)
+    said = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2, err[-3000:]
+    assert len(said) == 1 and f"{path} changed while the run was writing it" in said[0], err
+    if damage == "truncate":  # a rewritten record after the checkpoint's is dropped on resume
+        assert main(["train", "--resume", str(out)]) == 2
+
+
+def test_the_history_check_names_truncation_rewrite_and_deletion(tmp_path):
+    from labkit.app.session import History
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"iteration": 1}\n')
+    history = History(path)
+    history.check()
+    with open(path, "a") as f:
+        f.write('{"iteration": 2}\n')
+    history.wrote()
+    history.check()  # as written: nothing to say
+    path.write_text('{"iteration": 1}\n{"iteration": 3}\n')  # the same size, rewritten
+    with pytest.raises(ValueError, match="had its last record rewritten"):
+        history.check()
+    path.write_text("")
+    with pytest.raises(ValueError, match=r"holds 0 bytes where this run had written 34"):
+        history.check()
+    path.unlink()
+    with pytest.raises(ValueError, match="was deleted"):
+        history.check()

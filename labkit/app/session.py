@@ -6,6 +6,7 @@ train` opens the run and drives the loop."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import signal
 import time
@@ -58,6 +59,46 @@ def _rank_part(state: PipelineState) -> dict:
     return checkpoint.to_cpu(state.per_rank())
 
 
+class History:
+    """``metrics.jsonl`` as this run wrote it: its size after the last record and a hash of
+    that record, checked before each record and at each checkpoint. A file truncated or
+    rewritten meanwhile (by hand, by another tool) stops the run with a ValueError naming it,
+    instead of a history that silently lacks iterations."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.size = self._size()
+        self.last: tuple[int, str] | None = None  # (offset, sha256) of the last record written
+
+    def _size(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return -1
+
+    def _digest(self, start: int, end: int) -> str:
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            return hashlib.sha256(f.read(max(end - start, 0))).hexdigest()
+
+    def check(self) -> None:
+        size = self._size()
+        if size == self.size and (self.last is None
+                                  or self._digest(self.last[0], size) == self.last[1]):
+            return
+        what = ("was deleted" if size < 0 else "had its last record rewritten"
+                if size == self.size else
+                f"holds {size:,} bytes where this run had written {self.size:,}")
+        raise ValueError(f"{self.path} changed while the run was writing it: it {what} "
+                         "(truncated or rewritten by something else); its history is torn, so "
+                         "the run stops: restore the file (or start a new run), then resume")
+
+    def wrote(self) -> None:
+        """A record was appended (and flushed)."""
+        start, self.size = self.size, self._size()
+        self.last = (start, self._digest(start, self.size))
+
+
 class _WriteError(Exception):
     """Writing the run's files failed (a full disk, a deleted folder): the machine's fault."""
 
@@ -101,6 +142,7 @@ class Session:
         self.state, self.state_wall = pipe.state_dict(), self.wall_before
         self.saved_iteration = saved["state"]["iteration"] if saved is not None else None
         self.metrics_log: SyncLogger | None = None
+        self.history: History | None = None
         self.board: AsyncLogger | None = None
         self.first_iter_s: float | None = None
         self.t_start = self.session_s = self.setup_s = 0.0
@@ -110,6 +152,7 @@ class Session:
             return
         self.metrics_log = SyncLogger(self.run.out / METRICS, mode="a")
         resources.push(_closer(self.metrics_log))
+        self.history = History(self.run.out / METRICS)
         if tensorboard is not None:  # a resume replaces what came after its checkpoint
             purge = self.pipe.global_step * self.run.group.world + 1 if self.run.start else None
             resources.enter_context(quiet_thread_os_errors())  # its writer thread's disk errors
@@ -142,8 +185,10 @@ class Session:
         step = self.pipe.global_step * self.run.group.world
         if self.metrics_log is not None:
             with _writing():
+                self.history.check()
                 self.metrics_log.log(step, **record)
                 self.metrics_log.flush()
+                self.history.wrote()
         if self.board is not None:
             with _writing():
                 self.board.log(step, **record)
@@ -163,6 +208,8 @@ class Session:
         if run.group.is_main:
             if run.lock is not None:  # the run folder's, checked before each save
                 run.lock.check()
+            if self.history is not None:
+                self.history.check()
             payload = {"config": run.cfg.to_dict(), "device": str(run.device),
                        "threads": torch.get_num_threads(),
                        "executor_choices": self.pipe.math.executor_choices,

@@ -3,6 +3,7 @@ curves."""
 from __future__ import annotations
 
 import math
+import sys
 import textwrap
 from pathlib import Path
 
@@ -153,10 +154,23 @@ def run_curve(run_dir: str | Path) -> list[dict]:
                 raise ValueError(f"{path}: line {i} has no number {key!r} (a run of an older "
                                  "labkit, or another file)")
         points.append({"steps": r["step"], "wall_s": r["wall_s"],
-                       "mean_return": r["mean_return"]})
+                       "mean_return": r["mean_return"], "iteration": r.get("iteration")})
     if not points:
         raise ValueError(f"{path}: no iteration logged yet")
     return points
+
+
+def history_gaps(points: list[dict]) -> list[str]:
+    """The iterations a run's records lack ("1-4", "9"), by the records' ``iteration`` (a run
+    logs one per iteration from 1): a history truncated or edited in place, drawn without
+    them."""
+    numbers = [p["iteration"] for p in points if isinstance(p.get("iteration"), int)]
+    gaps, expected = [], 1
+    for n in numbers:
+        if n > expected:
+            gaps.append(f"{expected}-{n - 1}" if n - 1 > expected else f"{expected}")
+        expected = max(expected, n + 1)
+    return gaps
 
 
 def save_figures(result: dict, out_dir: str | Path, stem: str) -> list[Path]:
@@ -259,7 +273,17 @@ def plot_runs(runs: list[str | Path], out: str | Path, oracle: float | None = No
     if out.suffix[1:].lower() not in formats:
         raise ValueError(f"--out: {out.name} names no image format matplotlib writes; end it "
                          f"in one of {', '.join('.' + f for f in sorted(formats))}")
-    axes = learning_curves({Path(d).name: run_curve(d) for d in runs}, oracle=oracle)
+    curves = {}
+    for d in runs:
+        points, name = run_curve(d), Path(d).name
+        gaps = history_gaps(points)
+        if gaps:  # said on the figure and here: a torn curve is never drawn without a word
+            print(f"note: {Path(d) / 'metrics.jsonl'} has no record of iteration(s) "
+                  f"{', '.join(gaps)}: its history has a gap, drawn without them",
+                  file=sys.stderr)
+            name += f" (no iteration {', '.join(gaps)})"
+        curves[name] = points
+    axes = learning_curves(curves, oracle=oracle)
     with signals_deferred():  # an image half written is worse than none
         save_figure(axes[0].figure, out)
     plt.close(axes[0].figure)
