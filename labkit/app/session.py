@@ -63,7 +63,8 @@ class History:
     """``metrics.jsonl`` as this run wrote it: its size after the last record and a hash of
     that record, checked before each record and at each checkpoint. A file truncated or
     rewritten meanwhile (by hand, by another tool) stops the run with a ValueError naming it,
-    instead of a history that silently lacks iterations."""
+    instead of a history that silently lacks iterations (a deleted one is a write error, which
+    the logger raises)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -83,11 +84,10 @@ class History:
 
     def check(self) -> None:
         size = self._size()
-        if size == self.size and (self.last is None
-                                  or self._digest(self.last[0], size) == self.last[1]):
-            return
-        what = ("was deleted" if size < 0 else "had its last record rewritten"
-                if size == self.size else
+        if size < 0 or size == self.size and (self.last is None or self._digest(
+                self.last[0], size) == self.last[1]):
+            return  # deleted: the logger's flush says so, a write error (the folder may be gone)
+        what = ("had its last record rewritten" if size == self.size else
                 f"holds {size:,} bytes where this run had written {self.size:,}")
         raise ValueError(f"{self.path} changed while the run was writing it: it {what} "
                          "(truncated or rewritten by something else); its history is torn, so "
