@@ -6,6 +6,7 @@ how the ladder measures it, and ``labkit.app.train.TrainConfig`` how long a trai
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import math
 import os
@@ -293,9 +294,11 @@ def memory_shortfall(run: RunConfig, device) -> str | None:
             "rollout")
 
 
+@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of dataclass ``cls``, whitespace folded: one source for
-    the documentation and for the CLI's ``--help``."""
+    the documentation and for the CLI's ``--help`` (read once per class: parsing the source
+    is most of what building the CLI's parser costs)."""
     body = ast.parse(inspect.getsource(cls)).body[0].body
     return {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
