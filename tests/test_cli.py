@@ -332,6 +332,23 @@ def test_bad_cli_input_is_one_line_exit_2_and_writes_nothing(argv, needle, tmp_p
     assert not (tmp_path / "OUT").exists() and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("board", ["metrics.jsonl", "checkpoint.pt/tb", ".lock",
+                                   "summary.json"])
+def test_tensorboard_at_a_file_the_run_writes_is_refused_and_nothing_made(board, tmp_path,
+                                                                           capsys, finished_run):
+    """``--tensorboard`` naming a file of the run's own folder, for a new run or a resume:
+    refused in one line before any folder is made (it was made a folder there, and left)."""
+    shutil.copytree(finished_run, tmp_path / "RUN")
+    for argv, folder in ((["--resume", str(tmp_path / "RUN")], tmp_path / "RUN"),
+                         ([*TINY, "--out", str(tmp_path / "NEW")], tmp_path / "NEW")):
+        before = sorted(str(p) for p in tmp_path.rglob("*"))
+        code, out, err = run_cli(["train", *argv, "--tensorboard", str(folder / board)],
+                                 capsys)
+        assert code == 2 and err.count("\n") == 1 and "--tensorboard" in err, err
+        assert f"is {board.split('/')[0]} of the run folder" in err, err
+        assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # no folder made
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["train", "--n-envs", "1", "--n-steps", "4", "--total-steps", "8"], "n_minibatches=4 "
      "leaves one sample per minibatch"),
@@ -493,9 +510,29 @@ def test_plot_runs_names_the_metrics_it_cannot_plot(tmp_path, capsys, lines, nee
 
 
 def test_plot_runs_leaves_out_the_line_a_killed_run_was_writing(tmp_path, capsys):
-    run = _metrics_run(tmp_path, [GOOD, '{"step": 128, "wall_s": 2.0, "mean_re'])
+    run = _metrics_run(tmp_path, [GOOD])
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 128, "wall_s": 2.0, "mean_re')  # cut short: no newline ends it
     code, out, _ = run_cli(["plot-runs", str(run), "--out", str(tmp_path / "p.png")], capsys)
     assert code == 0 and (tmp_path / "p.png").exists()
+
+
+def test_a_whole_last_line_that_is_no_record_is_damage_not_a_torn_write(tmp_path, capsys):
+    """A last line a newline ends was written whole: a bad one (JSON nested past what Python
+    parses, say) is refused by resume and by plot-runs, naming the file and line, never
+    dropped as if a killed run had been writing it."""
+    from tests.test_files import DEEP
+
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--stop-after", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+    lines = (run / "metrics.jsonl").read_text()
+    (run / "metrics.jsonl").write_text(lines + DEEP + "\n")
+    for argv in (["train", "--resume", str(run), "--no-progress"],
+                 ["plot-runs", str(run), "--out", str(tmp_path / "p.png")]):
+        code, _, err = run_cli(argv, capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert str(run / "metrics.jsonl") in err and "line 2" in err, err
 
 
 def test_plot_runs_plots_a_real_run_whose_first_iterations_ended_no_episode(finished_run,

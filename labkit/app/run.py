@@ -220,6 +220,8 @@ def _judged(cfg: TrainConfig | None, out: Path | NewFolder, resume: bool,
                          f"{CONFIG} is there")
     if tensorboard is not None:  # refused before the run folder is made
         TensorBoardSink.check_installed()
+        if not isinstance(out, NewFolder):
+            _check_board(Path(tensorboard), out)
         check_output_dir(tensorboard, "--tensorboard")
     if isinstance(out, NewFolder):
         out = unique_folder(out.pattern)
@@ -244,6 +246,17 @@ def _judged(cfg: TrainConfig | None, out: Path | NewFolder, resume: bool,
     except BaseException:
         lock.release()
         raise
+
+
+def _check_board(board: Path, out: Path) -> None:
+    """``--tensorboard`` may not be, or lie under, a file the run writes in its folder: it
+    would be made a folder there (and left behind) before the run refused it."""
+    board, out = board.resolve(), out.resolve()
+    for name in (*RUN_FILES, SUMMARY, FolderLock.NAME):
+        if board == out / name or out / name in board.parents:
+            raise ValueError(f"--tensorboard {board} is {name} of the run folder {out}, or "
+                             "inside it: the run writes that file; give TensorBoard a folder "
+                             "of its own")
 
 
 def _saved_run(cfg: TrainConfig | None, out: Path) -> tuple[TrainConfig, dict | None]:
@@ -336,11 +349,13 @@ def _check_choices(saved: dict, cfg: TrainConfig, ckpt_path: Path) -> None:
 
 def _read_metrics(path: Path, keep_through: int) -> list[dict]:
     """The records of iterations 1..``keep_through`` in ``path``. A crash after a checkpoint
-    may have logged later iterations (they will run again) or half a last line: both are
-    dropped. A bad line with good lines after it is damage, not a crash: an error."""
+    may have logged later iterations (they will run again) or half a last line (no newline
+    ends it): both are dropped. Any other bad line is damage, not a crash: an error."""
     if not path.exists():
         return []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    torn_end = not text.endswith("\n")  # a write cut short leaves its line unterminated
     kept: list[dict] = []
     for number, line in enumerate(lines, 1):
         try:
@@ -349,7 +364,7 @@ def _read_metrics(path: Path, keep_through: int) -> list[dict]:
         except ValueError:
             record, bad = None, "is not valid JSON (and later lines are)"
         if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
-            if number == len(lines):
+            if number == len(lines) and torn_end:
                 break  # the torn last line of an interrupted write
             raise ValueError(f"{path} line {number} {bad}; repair or delete that line, then "
                              "resume")

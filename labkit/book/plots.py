@@ -133,16 +133,18 @@ def learning_curves(curves: dict[str, list[dict]], axes=None, oracle: float | No
 def run_curve(run_dir: str | Path) -> list[dict]:
     """Learning-curve points (steps, wall_s, mean_return) of a ``train`` run's metrics.jsonl.
     A line that is not a record with those numbers raises ValueError naming the file, the line
-    and the field; a torn last line (the run was killed mid-write) is left out."""
+    and the field; a torn last line (the run was killed mid-write: no newline ends it) is left
+    out."""
     path = Path(run_dir) / "metrics.jsonl"
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    text = path.read_text(encoding="utf-8")
+    lines = [line for line in text.splitlines() if line.strip()]
     points = []
     for i, line in enumerate(lines, 1):
         try:
             r = parse_json(line, f"{path}: line {i}")
         except ValueError:
-            if i == len(lines):
-                break  # the line a killed run was writing
+            if i == len(lines) and not text.rstrip(" \t").endswith("\n"):
+                break  # the line a killed run was writing (no newline ends it)
             raise ValueError(f"{path}: line {i} is not valid JSON") from None
         if not isinstance(r, dict):
             raise ValueError(f"{path}: line {i} is not a record")
