@@ -418,6 +418,7 @@ class Pipeline:
 
     def collect(self) -> Rollout:
         """T env steps with the policy; each logs its mean reward (the logger's per-step load)."""
+        self._check_open()
         self.math.convs_for("rollout")
         with torch.no_grad():
             for _ in range(self.cfg.n_steps):
@@ -442,6 +443,7 @@ class Pipeline:
 
         Update statistics stay device tensors (the logger decides when to read them); the
         episode statistics are the metrics' one read per iteration."""
+        self._check_open()
         if self.ppo.anneal_lr:
             self.stage.optimizer.set_lr(self.optimizer, annealed_lr(
                 self.ppo.lr, self.iteration_index, self.cfg.lr_horizon))
@@ -470,9 +472,18 @@ class Pipeline:
             generator=self.generator.get_state(), global_step=self.global_step,
             iteration=self.iteration_index, precision=self.precision.state_dict()))
 
+    def _check_open(self) -> None:
+        if self._step is None:
+            raise ValueError("this Pipeline is closed (close(), or its with block ended): build "
+                             "a new one")
+
     @torch.no_grad()
     def load_state_dict(self, state: PipelineState) -> None:
         """Load ``state`` (from ``state_dict``, possibly via a checkpoint on the CPU) in place."""
+        if not isinstance(state, PipelineState):
+            raise TypeError(f"state must be a PipelineState (Pipeline.state_dict(), or "
+                            f"PipelineState.from_dict of a checkpoint's 'state'), got "
+                            f"{type(state).__name__}")
         self.agent.load_state_dict(state.agent)
         load_optimizer_state_(self.optimizer, state.optimizer)
         self.collector.load_state_dict(state.collector)

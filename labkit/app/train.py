@@ -82,6 +82,9 @@ def train(cfg: TrainConfig | None, out: str | Path | NewFolder, *, resume: bool 
     checkpoints hold every rank's envs (a stop signal keeps the last scheduled checkpoint:
     ranks stopped mid-iteration cannot agree on a newer one).
     """
+    if cfg is not None and not isinstance(cfg, TrainConfig):
+        raise TypeError(f"cfg must be a TrainConfig (TrainConfig.flat(n_envs=8, ...)) or None "
+                        f"with resume=True, got {type(cfg).__name__}")
     if isinstance(out, bool) or not isinstance(out, (str, os.PathLike, NewFolder)):
         raise TypeError(f"out must be a folder path (str or Path), got {type(out).__name__}")
     if stop_after is not None:

@@ -130,6 +130,11 @@ def learning_curves(curves: dict[str, list[dict]], axes=None, oracle: float | No
     return axes
 
 
+#: What a run's records can hold (a run logs a non-finite number as null): steps and seconds
+#: from 0, returns bounded by an episode's length (a reward of -1, 0 or +1 per step).
+_RUN_RANGE = {"step": (0, 1e15), "wall_s": (0, 1e10), "mean_return": (-1e9, 1e9)}
+
+
 def run_curve(run_dir: str | Path) -> list[dict]:
     """Learning-curve points (steps, wall_s, mean_return) of a ``train`` run's metrics.jsonl.
     A line that is not a record with those numbers raises ValueError naming the file, the line
@@ -155,6 +160,11 @@ def run_curve(run_dir: str | Path) -> list[dict]:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{path}: line {i} has no number {key!r} (a run of an older "
                                  "labkit, or another file)")
+            low, high = _RUN_RANGE[key]
+            if not low <= value <= high:  # inf and NaN too: a run logs non-finite as null
+                raise ValueError(f"{path}: line {i} has {key} = {value:g}, outside the "
+                                 f"{low:g}..{high:g} a run logs (the file was edited, or is "
+                                 "another's)")
         points.append({"steps": r["step"], "wall_s": r["wall_s"],
                        "mean_return": r["mean_return"], "iteration": r.get("iteration")})
     if not points:

@@ -129,6 +129,9 @@ def stage_table(stages: list[Stage], width: int = 92) -> str:
 def reads_table(sites: Counter | dict, per: int = 1, top: int = 10) -> str:
     """Host reads by call site (from ``SyncMeter(call_sites=True).sites``), most first,
     divided by ``per`` (e.g. the number of steps) when it is not 1."""
+    if not isinstance(sites, dict):
+        raise ValueError(f"reads_table: sites must be a dict of call site -> reads "
+                         f"(SyncMeter(call_sites=True).sites), got {type(sites).__name__}")
     rows = sorted(sites.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
     unit = "reads" if per == 1 else f"reads / {per}"
     lines = [f"{unit:>12}  call site"]
@@ -231,7 +234,10 @@ def recorded_gpu(names: list[str], results: str = "results") -> str:
             continue
         lines.append(f"{path.name}: {meta.get('device_name', '?')}, torch {meta.get('torch')}, "
                      f"commit {meta.get('git_commit')}, {meta.get('date')}")
-        for row in data["ladder"]:
+        for i, row in enumerate(data["ladder"] if isinstance(data["ladder"], list) else [None]):
+            if not isinstance(row, dict):
+                raise ValueError(f"recorded_gpu: {path}: ladder row {i} is not a ladder row (a "
+                                 "JSON object); a file of python -m labkit ladder has them")
             if row.get("name") not in names:
                 continue
             if row.get("status") != "ok":

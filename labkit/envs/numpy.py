@@ -75,6 +75,10 @@ def check_reachable(state: dict, spec: ForageSpec, layout: Layout) -> None:
     and ForageTorch refuse the same states."""
     from .spec import MAX_SEED
 
+    for key in ("seed", "episode", "t", "pos", "grid", "episode_return"):
+        if isinstance(state[key], torch.Tensor) and state[key].is_meta:
+            raise ValueError(f"state[{key!r}] is on the meta device: it holds no values to "
+                             "load")
     seed, episode = state["seed"], state["episode"].cpu()
     t, pos, grid = state["t"].cpu(), state["pos"].cpu(), state["grid"].cpu()
     ret = state["episode_return"].cpu()
