@@ -126,6 +126,9 @@ def _env_int(name: str, default: int | None, low: int, high: int | None = None,
                              "says this is one of several processes: start them with torchrun, "
                              "which sets RANK, LOCAL_RANK and WORLD_SIZE together")
         return default
+    if len(text) > 30 and text.lstrip("+-").isdigit():  # past int()'s digit limit, or near it
+        raise ValueError(f"{name} is an integer of {len(text):,} digits: it must be "
+                         + (f">= {low}" if high is None else f"in {low}..{high}") + why)
     try:
         value = int(text)
     except ValueError:

@@ -221,7 +221,9 @@ def open_no_follow(path: str | os.PathLike, mode: str) -> IO[str]:
                           "the file it shares; move it away or choose another folder")
     if mode == "w":
         os.ftruncate(fd, 0)
-    return open(fd, mode, encoding="utf-8")
+    stream = open(fd, mode, encoding="utf-8")
+    stream.buffer.raw.name = os.fspath(path)  # what a message names: the file, not its fd
+    return stream
 
 
 def describe_os_error(err: OSError) -> str:

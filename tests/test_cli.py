@@ -272,6 +272,8 @@ def _cases():
         (["train", "--resume", ""], "--resume: expected a path"),
         (["train", "--resume", " "], "--resume: expected a path"),
         (["train", *TINY, "--tensorboard", "", "--out", "OUT"], "--tensorboard: expected a path"),
+        (["train", *TINY, "--out", "OUT\x1b[31mred\x07"], r"holds the control character '\x1b'"),
+        (["plot-runs", "RUN", "--out", "a\nb.png"], r"holds the control character '\n'"),
         (["ladder", "--device", "cpu", "--out", ""], "--out: expected a path"),
         (["bench-env", "--out", ""], "--out: expected a path"),
         (["profile", "--out", ""], "--out: expected a path"),
@@ -406,6 +408,8 @@ def test_a_stage_named_twice_is_measured_once():
      "LOCAL_RANK=2 must be in 0..1 (LOCAL_WORLD_SIZE=2)"),
     ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "99999"}, "MASTER_PORT=99999 must be in"),
     ({"WORLD_SIZE": str(10**9), "RANK": "0"}, "WORLD_SIZE=1000000000 must be in 1..65536"),
+    ({"WORLD_SIZE": "7" * 50_000}, "WORLD_SIZE is an integer of 50,000 digits: it must be in "
+                                   "1..65536"),
     ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "no-such-host.invalid",
       "MASTER_PORT": "29500"}, "MASTER_ADDR='no-such-host.invalid' cannot be resolved"),
     ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",

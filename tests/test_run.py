@@ -370,3 +370,14 @@ def test_the_history_check_names_truncation_and_rewrite(tmp_path):
         history.check()
     path.unlink()
     history.check()  # deleted: the logger's flush raises it as a write error
+
+
+def test_a_folder_named_like_a_stale_temporary_is_refused_not_unlinked(copy_of, capsys):
+    """The door deletes what an interrupted atomic write left (``.checkpoint.pt.X.tmp``); a
+    folder of that name is not one of those: refused in one line, exit 2, left as it is."""
+    run = copy_of()
+    (run / ".checkpoint.pt.zzzz.tmp" / "inner").mkdir(parents=True)
+    code, _, err = run_cli(["train", "--resume", str(run), "--no-progress"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert ".checkpoint.pt.zzzz.tmp is a folder named like a temporary file" in err
+    assert (run / ".checkpoint.pt.zzzz.tmp" / "inner").is_dir()

@@ -535,6 +535,8 @@ def test_a_run_folder_deleted_mid_run_is_said_so(tmp_path, monkeypatch):
     with pytest.raises(TrainingFailed, match="was deleted, with its checkpoint") as err:
         train(tiny_config(total_steps=640), out, progress=False)
     assert "holds the state" not in str(err.value) and not out.exists()
+    # the file by its name, not by its descriptor number ("the log file 5")
+    assert f"the log file {out / 'metrics.jsonl'} was deleted" in str(err.value)
 
 
 def test_a_deleted_run_folder_stops_training(tmp_path, monkeypatch):

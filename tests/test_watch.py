@@ -453,3 +453,32 @@ def test_sb3_ppo_watched_from_python_on_forage(tmp_path):
     r = w.report()
     assert r.iterations == 2 and r.device_reads >= 64 * 2
     assert all("stable_baselines3" in f.where for f in r.findings if f.kind == "device_read")
+
+
+STEP = "import os, torch\n\n\ndef step(x):\n    return x.sum().item()\n\n\n"
+
+
+@pytest.mark.slow
+def test_a_script_that_ends_in_os_exit_gets_its_report_and_its_code(tmp_path):
+    """os._exit runs no Python cleanup: the report is printed before the process ends, says
+    so, and the exit code stays the script's."""
+    script = tmp_path / "exits.py"
+    script.write_text(STEP + "for _ in range(3):\n    step(torch.ones(3))\nos._exit(7)\n")
+    report, done = _cli_json(["--function", "step", str(script)], tmp_path)
+    assert done.returncode == 7, done.stderr[-2000:]
+    assert report["iterations"] == 3 and report["device_reads"] == 3
+    assert "ended with os._exit(7)" in report["notes"][0]
+
+
+@pytest.mark.slow
+def test_a_script_that_forks_gets_one_report_saying_so(tmp_path):
+    """The forked child runs the same code under the same hook: it prints no report of its
+    own (there was a second, full one), and the parent's says only it was watched."""
+    script = tmp_path / "forks.py"
+    script.write_text(STEP + "step(torch.ones(3))\npid = os.fork()\nstep(torch.ones(3))\n"
+                             "if pid:\n    os.waitpid(pid, 0)\n")
+    report, done = _cli_json(["--function", "step", str(script)], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count('"iterations"') == 1  # one report
+    assert report["iterations"] == 2
+    assert "the script forked 1 process(es): only this one is watched" in report["notes"]

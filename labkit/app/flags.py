@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import unicodedata
 
 
 def int_at_least(low: int, high: int | None = None):
@@ -45,9 +46,15 @@ def field_flag(p: argparse.ArgumentParser, cls: type, name: str, parse, *,
 
 
 def path(text: str) -> str:
-    """A path flag's value: an empty or blank string is refused (it would mean "here")."""
+    """A path flag's value: an empty or blank string is refused (it would mean "here"), and so
+    is one with a control character (an escape sequence, a newline), which every line that
+    names the path would send to the terminal."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    control = next((c for c in text if unicodedata.category(c) == "Cc"), None)
+    if control is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} holds the control character {control!r}: "
+                                         "name a path without one")
     return text
 
 

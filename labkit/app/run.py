@@ -453,5 +453,9 @@ def _remove_stale_temporaries(out: Path) -> None:
     whole checkpoint's size). Only with the folder locked: no other writer can own them."""
     for name in (*RUN_FILES, SUMMARY):
         for tmp in out.glob(f".{name}.*.tmp"):
+            if tmp.is_dir() and not tmp.is_symlink():
+                raise ValueError(f"{tmp} is a folder named like a temporary file an "
+                                 "interrupted write leaves (labkit deletes those when a run "
+                                 "starts): move it out of the run folder")
             tmp.unlink(missing_ok=True)
 

@@ -11,6 +11,7 @@ import os
 import runpy
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,14 @@ class _EachCall:
 
 
 def watch_script(target: str, args: list[str], *, module: bool = False,
-                 function: str | None = None, say=print) -> tuple[WatchReport, int]:
+                 function: str | None = None, say=print,
+                 show: Callable[[WatchReport], None] | None = None
+                 ) -> tuple[WatchReport | None, int]:
     """Run ``target`` (a script path, or a module name with ``module``) with ``args`` as its
-    ``sys.argv[1:]`` under a watch; (the report, the script's exit code). ValueError for a
-    script that does not exist or a function name that is not a name."""
+    ``sys.argv[1:]`` under a watch; (the report, the script's exit code); the report is None in
+    a child process the script forked. ``show`` prints a report: where the script ends with
+    ``os._exit`` (no Python cleanup after it) it is called before the process ends. ValueError
+    for a script that does not exist or a function name that is not a name."""
     if function is not None and not all(part.isidentifier() for part in function.split(".")):
         raise ValueError(f"--function must be a function name or Class.method, got "
                          f"{function!r}")
@@ -66,30 +71,67 @@ def watch_script(target: str, args: list[str], *, module: bool = False,
         raise ValueError(f"script {target!r} is a folder, not a file (a package: -m NAME)")
     elif not Path(target).is_file():
         raise ValueError(f"script {target!r}: no such file")
-    w, hook, removed = watch(), None, False
+    w, hook = watch(), None
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [target, *args]
     if not module:
         sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-    code = 0
+    code, parent, forks, real_exit = 0, os.getpid(), len(_FORKS), os._exit
+    done: list[WatchReport] = []
+
+    def finish() -> WatchReport:
+        """Stop watching (once) and say what was seen."""
+        if done:
+            return done[0]
+        removed = False
+        if hook is not None:
+            removed = sys.getprofile() is not hook  # the script set its own (or none)
+            sys.setprofile(None)
+            hook.close()
+        elif w in watch._active:
+            w.__exit__(None, None, None)
+        os._exit = real_exit
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        done.append(report := w.report())
+        if len(_FORKS) > forks:
+            report.notes.insert(0, f"the script forked {len(_FORKS) - forks} process(es): "
+                                   "only this one is watched")
+        if hook is not None:
+            if removed:
+                report.notes.insert(0, f"--function {function}: the script replaced labkit's "
+                                       "profile hook (sys.setprofile), so calls after that "
+                                       f"were not watched ({len(hook.seen)} function(s) of "
+                                       "that name seen before)")
+            elif not hook.seen:
+                report.notes.insert(0, f"--function {function}: the script never called a "
+                                       "function of that name; nothing was watched")
+            elif len(hook.seen) > 1:
+                report.notes.insert(0, f"--function {function} matched {len(hook.seen)} "
+                                       "functions, each call of any one an iteration: "
+                                       + "; ".join(hook.seen.values()))
+        return report
+
+    def hard_exit(status: int) -> None:
+        """``os._exit`` in the script: the report first (no Python cleanup follows), in the
+        process that was watched; a forked child just exits."""
+        if os.getpid() == parent and show is not None:
+            report = finish()
+            report.notes.insert(0, f"the script ended with os._exit({status}): the report "
+                                   "covers what ran before it")
+            show(report)
+        real_exit(status)
+
+    os._exit = hard_exit
     try:
         if function is None:
             w.__enter__()
         else:
             hook = _EachCall(w, function)
             sys.setprofile(hook)
-        try:
-            if module:
-                runpy.run_module(target, run_name="__main__", alter_sys=True)
-            else:
-                runpy.run_path(target, run_name="__main__")
-        finally:
-            if hook is not None:
-                removed = sys.getprofile() is not hook  # the script set its own (or none)
-                sys.setprofile(None)
-                hook.close()
-            elif w in watch._active:
-                w.__exit__(None, None, None)
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
     except SystemExit as stop:  # the script's own exit: its code
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         if not isinstance(stop.code, (int, type(None))):
@@ -100,23 +142,15 @@ def watch_script(target: str, args: list[str], *, module: bool = False,
     except Exception:  # noqa: BLE001 - the script's error, printed as Python would
         traceback.print_exc()
         code = 1
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
-    report = w.report()
-    if hook is not None:
-        if removed:
-            report.notes.insert(0, f"--function {function}: the script replaced labkit's "
-                                   "profile hook (sys.setprofile), so calls after that were "
-                                   f"not watched ({len(hook.seen)} function(s) of that name "
-                                   "seen before)")
-        elif not hook.seen:
-            report.notes.insert(0, f"--function {function}: the script never called a "
-                                   "function of that name; nothing was watched")
-        elif len(hook.seen) > 1:
-            report.notes.insert(0, f"--function {function} matched {len(hook.seen)} "
-                                   "functions, each call of any one an iteration: "
-                                   + "; ".join(hook.seen.values()))
-    return report, code
+    report = finish()
+    return (report if os.getpid() == parent else None), code
+
+
+#: One entry per fork of this process (os.register_at_fork): a watched script that forks is
+#: said to have, and its children print no report of their own.
+_FORKS: list[int] = []
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_parent=lambda: _FORKS.append(1))
 
 
 def _check_module(name: str) -> None:
@@ -137,10 +171,14 @@ def _check_module(name: str) -> None:
 
 def cmd_watch(args: argparse.Namespace) -> int:
     """The script's exit code, after the report."""
+    def show(report: WatchReport) -> None:
+        sys.stdout.flush()
+        print(report.to_json() if args.json else report.format(), flush=True)
+
     report, code = watch_script(args.target, args.args, module=args.module,
-                                function=args.function)
-    sys.stdout.flush()
-    print(report.to_json() if args.json else report.format())
+                                function=args.function, show=show)
+    if report is not None:  # None: a child the script forked, which says nothing
+        show(report)
     return code
 
 
