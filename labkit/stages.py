@@ -347,6 +347,12 @@ def without_graphs(stage: Stage) -> Stage:
     return replace(stage, **swaps) if swaps else stage
 
 
+def _closed(*args: Any, **kwargs: Any) -> None:
+    """What a closed pipeline's steps are."""
+    raise ValueError("this Pipeline is closed (close(), or its with block ended): build a new "
+                     "one")
+
+
 class Pipeline:
     """One stage assembled on a device: ``iteration()`` = rollout + GAE + PPO update.
 
@@ -418,7 +424,6 @@ class Pipeline:
 
     def collect(self) -> Rollout:
         """T env steps with the policy; each logs its mean reward (the logger's per-step load)."""
-        self._check_open()
         self.math.convs_for("rollout")
         with torch.no_grad():
             for _ in range(self.cfg.n_steps):
@@ -443,7 +448,6 @@ class Pipeline:
 
         Update statistics stay device tensors (the logger decides when to read them); the
         episode statistics are the metrics' one read per iteration."""
-        self._check_open()
         if self.ppo.anneal_lr:
             self.stage.optimizer.set_lr(self.optimizer, annealed_lr(
                 self.ppo.lr, self.iteration_index, self.cfg.lr_horizon))
@@ -472,11 +476,6 @@ class Pipeline:
             generator=self.generator.get_state(), global_step=self.global_step,
             iteration=self.iteration_index, precision=self.precision.state_dict()))
 
-    def _check_open(self) -> None:
-        if self._step is None:
-            raise ValueError("this Pipeline is closed (close(), or its with block ended): build "
-                             "a new one")
-
     @torch.no_grad()
     def load_state_dict(self, state: PipelineState) -> None:
         """Load ``state`` (from ``state_dict``, possibly via a checkpoint on the CPU) in place."""
@@ -504,7 +503,7 @@ class Pipeline:
         finally:
             # The step executors hold this pipeline (a graph capture restores its state): drop
             # them so the buffers and graph pools go now, not at a later garbage collection.
-            self._step = self.ppo_update = None
+            self._step = self.ppo_update = _closed
             if getattr(self, "_tmp", None) is not None:
                 self._tmp.cleanup()
 

@@ -568,3 +568,15 @@ def test_a_trace_the_profiler_could_not_write_is_named(tmp_path, monkeypatch, ca
     trace = tmp_path / "batched_ops_cpu.pt.trace.json"
     assert code == 1 and err == f"error: No space left on device {trace}\n"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_deleted_working_folder_is_said_in_one_line(tmp_path):
+    """V-cwd-deleted: torch's MKL said "Cannot load libtorch_cpu.so" at import."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    r = subprocess.run(f"cd {gone} && rmdir {gone} && {sys.executable} -m labkit train "
+                       "--device cpu --total-steps 64", shell=True, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and r.stderr == ("error: the current folder was deleted: cd to a "
+                                              "folder that exists, then run labkit again\n")
