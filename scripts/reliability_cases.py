@@ -145,17 +145,23 @@ def _(tmp):
 # ------------------------------------------------------------------ 3. history, saved state
 
 
-@case("C-metrics-truncated-in-place-midrun", "history")
-def _(tmp):
+def _running(tmp: Path, out: str, every: str) -> subprocess.Popen:
+    """A long run in a real process, once it has logged three iterations."""
     proc = subprocess.Popen([PY, "-m", "labkit", "train", *TINY, "--total-steps", "640000",
-                             "--checkpoint-every", "2", "--out", "R"], cwd=tmp,
+                             "--checkpoint-every", every, "--out", out], cwd=tmp,
                             stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-    path = tmp / "R" / "metrics.jsonl"
+    path = tmp / out / "metrics.jsonl"
     deadline = time.time() + 120
     while (not path.exists() or len(path.read_text().splitlines()) < 3) and time.time() < deadline:
         time.sleep(0.1)
-    os.truncate(path, 0)
+    return proc
+
+
+@case("C-metrics-truncated-in-place-midrun", "history")
+def _(tmp):
+    proc = _running(tmp, "R", "2")
+    os.truncate(tmp / "R" / "metrics.jsonl", 0)
     try:
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
@@ -165,45 +171,39 @@ def _(tmp):
     return one_line_exit_2(r, "metrics.jsonl changed while the run was writing it")
 
 
+def _edited_resume(tmp: Path, name: str, edit: str, *needles: str) -> str | None:
+    """A partial run whose checkpoint ``edit`` changed (header valid), resumed."""
+    edit_checkpoint(partial_run(tmp, name), edit)
+    return one_line_exit_2(labkit("train", "--resume", name, "--no-progress", cwd=tmp),
+                           *needles)
+
+
 @case("K-metrics-return-impossible", "history")
 def _(tmp):
-    run = partial_run(tmp, "k1")
-    edit_checkpoint(run, "p['state']['metrics'].update(returns=[1e9], lengths=[3])")
-    return one_line_exit_2(labkit("train", "--resume", "k1", "--no-progress", cwd=tmp),
-                           "checkpoint.pt", "returns")
+    return _edited_resume(tmp, "k1", "p['state']['metrics'].update(returns=[1e9], lengths=[3])",
+                          "checkpoint.pt", "returns")
 
 
 @case("K-wall-s-negative", "history")
 def _(tmp):
-    run = partial_run(tmp, "k2")
-    edit_checkpoint(run, "p['wall_s'] = -1e9")
-    return one_line_exit_2(labkit("train", "--resume", "k2", "--no-progress", cwd=tmp),
-                           "wall_s")
+    return _edited_resume(tmp, "k2", "p['wall_s'] = -1e9", "wall_s")
 
 
 @case("K-adam-exp-avg-sq-negative", "saved optimizer state")
 def _(tmp):
-    run = partial_run(tmp, "k3")
-    edit_checkpoint(run, "for e in p['state']['optimizer']['state'].values():\n"
-                         "    e['exp_avg_sq'] = torch.full_like(e['exp_avg_sq'], -1.0)")
-    return one_line_exit_2(labkit("train", "--resume", "k3", "--no-progress", cwd=tmp),
-                           "checkpoint.pt", "exp_avg_sq")
+    return _edited_resume(tmp, "k3", "for e in p['state']['optimizer']['state'].values():\n"
+                                     "    e['exp_avg_sq'] = torch.full_like(e['exp_avg_sq'], "
+                                     "-1.0)", "checkpoint.pt", "exp_avg_sq")
 
 
 @case("K-threads-0", "JSON and fields")
 def _(tmp):
-    run = partial_run(tmp, "k4")
-    edit_checkpoint(run, "p['threads'] = 0")
-    return one_line_exit_2(labkit("train", "--resume", "k4", "--no-progress", cwd=tmp),
-                           "threads")
+    return _edited_resume(tmp, "k4", "p['threads'] = 0", "threads")
 
 
 @case("K-threads-1e12", "JSON and fields")
 def _(tmp):
-    run = partial_run(tmp, "k5")
-    edit_checkpoint(run, "p['threads'] = 10**12")
-    return one_line_exit_2(labkit("train", "--resume", "k5", "--no-progress", cwd=tmp),
-                           "threads")
+    return _edited_resume(tmp, "k5", "p['threads'] = 10**12", "threads")
 
 
 def _deep_resume(tmp: Path, name: str, file: str, complete: bool) -> str | None:
@@ -247,28 +247,26 @@ def _(tmp):
                            "ladder_cpu_quick.json")
 
 
+def _summary_resume(tmp: Path, name: str, text: str) -> str | None:
+    """A complete run whose summary.json holds ``text``, resumed."""
+    (complete_run(tmp, name) / "summary.json").write_text(text)
+    return one_line_exit_2(labkit("train", "--resume", name, "--no-progress", cwd=tmp),
+                           "summary.json", "steps")
+
+
 @case("H-summary-empty-object-resume-complete", "JSON and fields")
 def _(tmp):
-    run = complete_run(tmp, "h5")
-    (run / "summary.json").write_text("{}")
-    return one_line_exit_2(labkit("train", "--resume", "h5", "--no-progress", cwd=tmp),
-                           "summary.json", "steps")
+    return _summary_resume(tmp, "h5", "{}")
 
 
 @case("H-summary-steps-null-resume-complete", "JSON and fields")
 def _(tmp):
-    run = complete_run(tmp, "h6")
-    (run / "summary.json").write_text('{"steps": null, "final_mean_return": null}')
-    return one_line_exit_2(labkit("train", "--resume", "h6", "--no-progress", cwd=tmp),
-                           "summary.json", "steps")
+    return _summary_resume(tmp, "h6", '{"steps": null, "final_mean_return": null}')
 
 
 @case("H-summary-huge-number-resume-complete", "JSON and fields")
 def _(tmp):
-    run = complete_run(tmp, "h7")
-    (run / "summary.json").write_text('{"steps": 1e400}')
-    return one_line_exit_2(labkit("train", "--resume", "h7", "--no-progress", cwd=tmp),
-                           "summary.json", "steps")
+    return _summary_resume(tmp, "h7", '{"steps": 1e400}')
 
 
 @case("H-plot-runs-extreme-values", "JSON and fields")
@@ -283,14 +281,7 @@ def _(tmp):
 
 @case("C-run-folder-deleted-midrun", "history")
 def _(tmp):
-    proc = subprocess.Popen([PY, "-m", "labkit", "train", *TINY, "--total-steps", "640000",
-                             "--checkpoint-every", "1", "--out", "k3"], cwd=tmp,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    path = tmp / "k3" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while (not path.exists() or len(path.read_text().splitlines()) < 3) and time.time() < deadline:
-        time.sleep(0.1)
+    proc = _running(tmp, "k3", "1")
     shutil.rmtree(tmp / "k3")
     _, err = proc.communicate(timeout=60)
     said = [ln for ln in err.splitlines() if ln.startswith("error:")]
