@@ -26,6 +26,7 @@ from typing import IO
 import torch
 
 from .files import dumps, open_no_follow
+from .signals import held
 
 Value = int | float | bool | torch.Tensor
 Target = str | os.PathLike | IO[str]
@@ -201,12 +202,19 @@ class _Writer:
 
     def put(self, item: object) -> None:
         """Queue ``item``; where the queue is full, wake the thread, then wait for room. Flush
-        and stop items wake it too: whoever queues them waits for them."""
-        try:
-            self.queue.put_nowait(item)
-        except queue.Full:
-            self.wake.set()
-            self.queue.put(item)  # blocks while the queue is full
+        and stop items wake it too: whoever queues them waits for them. A stop signal is not
+        raised inside the queue's bookkeeping (:class:`~labkit.signals.held`); the wait for
+        room can be stopped."""
+        guard, wait = held(), None
+        while True:
+            try:
+                with guard:  # no stop raised between storing the item and counting it
+                    self.queue.put(item, block=wait is not None, timeout=wait)
+                break
+            except queue.Full:  # wake the writer and wait for room, a stop heard each 50 ms
+                self.wake.set()
+                guard.raise_new()
+                wait = 0.05
         if item is _FLUSH or item is _STOP:
             self.wake.set()
 

@@ -29,6 +29,8 @@ class Stop(KeyboardInterrupt):
 
 #: The signals caught by each open :func:`stop_signals` block, innermost last.
 _caught: list[list[int]] = []
+#: Above 0 inside :func:`held` blocks: a stop is recorded there, and raised when they end.
+_held = [0]
 
 
 def signum_of(stop: BaseException) -> int:
@@ -48,7 +50,8 @@ def stop_signals() -> Iterator[None]:
 
     def stop(signum: int, frame: object) -> None:
         caught.append(signum)
-        raise Stop(signum)
+        if not _held[0]:
+            raise Stop(signum)
 
     _caught.append(caught)
     old: dict = {}
@@ -60,6 +63,33 @@ def stop_signals() -> Iterator[None]:
         for s, handler in old.items():
             signal.signal(s, handler)
         _caught[:] = [c for c in _caught if c is not caught]  # by identity, not equality
+
+
+class held:  # noqa: N801 - a context manager, cheap enough for every log call
+    """Inside: a stop signal is recorded, not raised; one that arrived inside is raised as
+    the block ends (or by :meth:`raise_new`, where it ended in an exception). For bookkeeping
+    a raise mid-way would corrupt (``queue.Queue.put`` between storing an item and counting
+    it: the writer thread that takes it later dies on "task_done() called too many times").
+    Nothing that can block long belongs inside."""
+
+    def __init__(self) -> None:
+        self.main = threading.get_ident() == threading.main_thread().ident  # signals land there
+        self.seen = len(_caught[-1]) if _caught and self.main else 0
+
+    def __enter__(self) -> None:
+        if self.main:
+            _held[0] += 1
+
+    def __exit__(self, *exc: object) -> None:
+        if self.main:
+            _held[0] -= 1
+            if exc[0] is None:
+                self.raise_new()
+
+    def raise_new(self) -> None:
+        """Raise a stop that arrived since this guard was made (none: nothing)."""
+        if self.main and not _held[0] and _caught and len(_caught[-1]) > self.seen:
+            raise Stop(_caught[-1][-1])
 
 
 def raise_if_stopped() -> None:

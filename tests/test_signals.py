@@ -245,3 +245,66 @@ def test_a_rank_whose_peers_never_come_stops_after_its_timeout_in_one_line(tmp_p
                     f"{port} within 2 s (LABKIT_RENDEZVOUS_TIMEOUT): start "
                     "every rank with the same MASTER_ADDR and MASTER_PORT"], err[-3000:]
     assert time.monotonic() - started < 60 and not (tmp_path / "run").exists()
+
+
+class _Records:
+    """A sink that keeps the records it is given."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def write(self, record: dict) -> None:
+        self.steps.append(record["step"])
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_stop_landing_in_the_log_queues_bookkeeping_is_raised_after_it():
+    """A stop's handler raising inside ``queue.Queue.put``, between storing a record and
+    counting it, left the count one short: the logger's writer thread later died on
+    "task_done() called too many times" and every record after it was lost. The signal lands
+    at that very line here (the handler run where the line begins, as a signal there would);
+    the stop is raised once the put is whole, and the logger goes on."""
+    import inspect
+    import queue
+
+    from labkit.logging import AsyncLogger
+    from labkit.signals import Stop, stop_signals
+
+    src, start = inspect.getsourcelines(queue.Queue.put)
+    line = start + next(i for i, text in enumerate(src) if "self.unfinished_tasks += 1" in text)
+    sink = _Records()
+    log = AsyncLogger(None, sinks=[sink])
+    landed = []
+    with stop_signals():
+        handler = signal.getsignal(signal.SIGTERM)
+
+        def tracer(frame, event, arg):
+            if frame.f_code is not queue.Queue.put.__code__:
+                return None
+
+            def local(frame, event, arg):
+                if event == "line" and frame.f_lineno == line and not landed:
+                    landed.append(1)
+                    handler(signal.SIGTERM, frame)
+                return local
+            return local
+
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(Stop):
+                log.log(0, x=1.0)
+        finally:
+            sys.settrace(None)
+    assert landed
+    log.log(1, x=2.0)
+    log.flush()
+    time.sleep(0.3)  # the writer has taken everything queued so far
+    assert log._writer.thread.is_alive()
+    log.log(2, x=3.0)
+    log.close()
+    assert sink.steps == [0, 1, 2]
