@@ -36,15 +36,8 @@ fi
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"; } > "$R/device.txt" 2>&1
 cat "$R/device.txt"
 status=0
-step() {  # step NAME SECONDS COMMAND...: run it under its limit, log it, keep its exit status
-    local name=$1 limit=$2; shift 2
-    local start=$SECONDS
-    timeout -s INT "$limit" "$@" > "$R/$name.log" 2>&1
-    local rc=$?
-    echo "== $name: exit $rc after $((SECONDS - start)) s"
-    tail -n 12 "$R/$name.log"
-    [ "$rc" = 0 ] || status=$rc
-}
+source "$(dirname "$0")/gpu_step.sh"
+step() { local name=$1 limit=$2; shift 2; gpu_step "$R" "$limit" 12 "$name" "$@"; }
 L="python3 -m labkit ladder --device $DEVICE --no-progress --n-steps $T"
 step scaling $((S + 60)) $L --stages 7,8 --iterations 3 --n-envs "${SWEEP%% *}" \
     --scaling-n-envs $SWEEP --out "$R/scaling"

@@ -52,15 +52,8 @@ status=0
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"; } \
     > "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
-step() {  # step NAME COMMAND...: run it under the time limit, log it, keep its exit status
-    local name=$1; shift
-    local start=$SECONDS
-    timeout -s INT "$STEP_S" "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "== $name: exit $rc after $((SECONDS - start)) s"
-    tail -n 25 "$OUT/$name.log"
-    [ "$rc" = 0 ] || status=$rc
-}
+source "$(dirname "$0")/gpu_step.sh"
+step() { gpu_step "$OUT" "$STEP_S" 25 "$@"; }  # step NAME COMMAND...
 if [ "$cases" = 1 ]; then
     step real-capture python3 -m tests.rehearsal_cases.real --out "$OUT/real_capture.jsonl"
 fi
