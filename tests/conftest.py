@@ -75,19 +75,31 @@ def _aot_eager_compile(model=None, **kwargs):
 _last_backend: list[str] = []
 
 
+def pytest_configure(config):
+    """aot_eager from the session's start: a module- or session-scoped fixture is set up
+    before any test's own fixtures, so a pipeline it builds would otherwise compile with
+    inductor (``tests/test_debug.py``'s stage 7 did: 25 s of a cold fast tier)."""
+    torch.compile = _aot_eager_compile
+
+
+def pytest_unconfigure(config):
+    torch.compile = _real_compile
+
+
 @pytest.fixture(autouse=True)
 def _compile_backend(request, monkeypatch):
-    """Every test but an ``inductor`` one compiles with aot_eager (the tiers above). Where the
-    backend changes from one test to the next, dynamo's caches are reset first: compiled code
-    is cached per code object (every compiled module shares one), an entry compiled for one
-    backend never serves the other, and the two together would pass dynamo's recompile limit
-    where either alone does not."""
+    """Every test but an ``inductor`` one compiles with aot_eager (the tiers above; what a
+    module-scoped fixture builds too, whoever uses it). Where the backend changes from one
+    test to the next, dynamo's caches are reset first: compiled code is cached per code object
+    (every compiled module shares one), an entry compiled for one backend never serves the
+    other, and the two together would pass dynamo's recompile limit where either alone does
+    not."""
     backend = "aot_eager" if request.node.get_closest_marker("inductor") is None else "inductor"
     if _last_backend and _last_backend[-1] != backend:
         torch._dynamo.reset()
     _last_backend[:] = [backend]
-    if backend == "aot_eager":
-        monkeypatch.setattr(torch, "compile", _aot_eager_compile)
+    if backend == "inductor":
+        monkeypatch.setattr(torch, "compile", _real_compile)
 
 
 _SECONDS_BY_FILE: dict[str, float] = defaultdict(float)
