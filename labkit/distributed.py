@@ -11,20 +11,19 @@ of these points, so the same code runs with and without torchrun.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import os
-import signal
 import socket
 import sys
-import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .signals import default_stop_signals
 
 #: The sampling generator of rank r is seeded with seed + SEED_STRIDE * r (rank 0: the seed).
 SEED_STRIDE = 1_000_003
@@ -195,7 +194,7 @@ def _rendezvous(group: Group, backend: str) -> None:
         raise ValueError(f"MASTER_ADDR={addr[:80]!r} cannot be resolved ({err}): name the "
                          "host of rank 0, e.g. MASTER_ADDR=127.0.0.1 on one machine") from None
     where = f"{addr}:{os.environ.get('MASTER_PORT', '').strip() or '?'}"
-    with _default_stop_signals():
+    with default_stop_signals():
         if group.is_main:
             print(f"rank 0 of {group.world}: waiting up to {timeout} s for the other ranks at "
                   f"{where} (LABKIT_RENDEZVOUS_TIMEOUT; a stop signal ends the wait)",
@@ -211,23 +210,6 @@ def _rendezvous(group: Group, backend: str) -> None:
             if not group.is_main:  # the CLI speaks for rank 0 alone; a rank alone says it
                 print(f"error: {said}", file=sys.stderr, flush=True)
             raise TimeoutError(said) from None
-
-
-@contextlib.contextmanager
-def _default_stop_signals() -> Iterator[None]:
-    """Inside: the stop signals (SIGINT, SIGTERM, SIGHUP) do what they do by default, end the
-    process, in the main thread (elsewhere signals are not this thread's to set)."""
-    from .signals import STOP_SIGNALS
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {s: signal.signal(s, signal.SIG_DFL) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
 
 
 def leave(group: Group) -> None:

@@ -119,3 +119,19 @@ def signals_deferred(reraise: bool = True) -> Iterator[list[int]]:
             signal.signal(s, handler)
     if pending and reraise:
         raise Stop(pending[0])
+
+
+@contextlib.contextmanager
+def default_stop_signals() -> Iterator[None]:
+    """Inside: the stop signals do what they do by default, end the process, in the main
+    thread (elsewhere signals are not this thread's to set): for a wait that cannot hear a
+    raised stop (a C++ rendezvous, ``labkit.distributed``)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_DFL) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
