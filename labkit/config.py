@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 PROFILES = ("quick", "full", "tiny")
 COMPILE_CHOICES = ("auto", "compiled", "eager")
 CONV_MATH_CHOICES = ("auto", *CONV_MATHS)
+COMPILE_UNITS = ("model", "step")
 
 
 def default_profile(device: torch.device) -> str:
@@ -56,6 +57,13 @@ class RunConfig:
     (time eager against compiled at warmup; keep compiled unless eager is faster by more than
     the spread), compiled or eager (forced: a reproducible choice). Stages 5-6 always compile;
     0-4 never do."""
+    compile_unit: str = "model"
+    """What a stage whose rollout compiles (compile_warmup onwards) compiles of its rollout:
+    model (the policy network alone; the sampling, the storage writes, the env step and the
+    episode statistics run eagerly, one launch per op), or step (the whole rollout step past
+    the sampling noise as one region, ``DeviceCollector.advance``: the policy, the sampling,
+    the storage writes, the env step and device-side episode statistics). The update is
+    compiled the same way in both."""
     conv_math: str = "auto"
     """How the conv body runs its convolutions (``labkit.policy.ConvBody``): auto (the stages
     whose executors choose by timing, fused_amp, also time conv2d against matmul at warmup,
@@ -82,6 +90,9 @@ class RunConfig:
         if self.compile not in COMPILE_CHOICES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_CHOICES)}; got "
                              f"{self.compile!r}")
+        if self.compile_unit not in COMPILE_UNITS:
+            raise ValueError(f"compile_unit must be one of {', '.join(COMPILE_UNITS)}; got "
+                             f"{self.compile_unit!r}")
         if self.conv_math not in CONV_MATH_CHOICES:
             raise ValueError(f"conv_math must be one of {', '.join(CONV_MATH_CHOICES)}; got "
                              f"{self.conv_math!r}")

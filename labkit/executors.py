@@ -147,8 +147,15 @@ class Choice:
 KINDS = ("compiled", "eager")
 #: Rounds of the warmup's timing: each times one iteration eager and one compiled.
 CHOICE_ROUNDS = 5
-#: The phase of an iteration that each part's model math runs in.
+#: The phase of an iteration that each part's model math runs in (a rollout whose whole step
+#: is one region, ``RunConfig.compile_unit="step"``: ``FUSED_ROLLOUT_PHASE``).
 PART_PHASE = {"rollout": "policy", "update": "update"}
+FUSED_ROLLOUT_PHASE = "step"
+
+
+def compiles(executor: Executor) -> bool:
+    """Whether ``executor`` compiles what it wraps (graphed: whether its base does)."""
+    return isinstance(getattr(executor, "base", executor), Compiled)
 
 
 def _time_kinds(pipeline: Any, keep: Callable[[str], None], kinds: tuple[str, ...],
@@ -176,51 +183,51 @@ def _time_kinds(pipeline: Any, keep: Callable[[str], None], kinds: tuple[str, ..
     return ms
 
 
-def choose(pipeline: Any, choices: dict[str, Choice], rounds: int = CHOICE_ROUNDS
-           ) -> dict[str, dict]:
+def choose(pipeline: Any, choices: dict[str, Choice], rounds: int = CHOICE_ROUNDS,
+           phases: dict[str, str] = PART_PHASE) -> dict[str, dict]:
     """Time ``pipeline``'s iterations with every ``choices`` entry eager and with every one
     compiled, ``rounds`` of each, interleaved (the order alternates), the state restored after
     each, and keep for each part the faster: compiled unless eager's slowest iteration beat
-    compiled's fastest in the part's phase (``PART_PHASE``). Call it once the compiled code
+    compiled's fastest in the part's phase (``phases``). Call it once the compiled code
     has run (``labkit.capture.warmup`` does): compiling is not what it times. Returns per part
     what was kept, why, and the milliseconds per iteration of each kind."""
     def keep(kind: str) -> None:
         for choice in choices.values():
             choice.keep(kind)
 
-    ms = _time_kinds(pipeline, keep, KINDS, {PART_PHASE[part]: f"the {part}'s model math"
+    ms = _time_kinds(pipeline, keep, KINDS, {phases[part]: f"the {part}'s model math"
                                              for part in choices}, rounds)
     made = {}
     for part, choice in choices.items():
-        eager, compiled = (ms[PART_PHASE[part]][k] for k in ("eager", "compiled"))
+        eager, compiled = (ms[phases[part]][k] for k in ("eager", "compiled"))
         kept = "eager" if max(eager) < min(compiled) else "compiled"
         choice.keep(kept)
-        made[part] = {"kept": kept, "why": "timed", "phase": PART_PHASE[part],
+        made[part] = {"kept": kept, "why": "timed", "phase": phases[part],
                       "eager_ms": eager, "compiled_ms": compiled}
     return made
 
 
-def choose_conv_math(pipeline: Any, body: Any, parts: Any, rounds: int = CHOICE_ROUNDS
-                     ) -> dict[str, dict]:
+def choose_conv_math(pipeline: Any, body: Any, parts: Any, rounds: int = CHOICE_ROUNDS,
+                     phases: dict[str, str] = PART_PHASE) -> dict[str, dict]:
     """Time ``pipeline``'s iterations with ``body``'s convolutions (a
     :class:`labkit.policy.ConvBody`) as conv2d and as matmul, ``rounds`` of each, interleaved,
     the state restored after each (one untimed matmul iteration first: its bases, and the
     compile of its variant where the model math is compiled), and keep for each of ``parts``
     conv2d unless matmul's slowest iteration beat conv2d's fastest in the part's phase
-    (``PART_PHASE``). Returns per part what was kept, why, and the milliseconds per iteration
+    (``phases``). Returns per part what was kept, why, and the milliseconds per iteration
     of each, and leaves ``body`` as last timed: the caller keeps the choice
     (``ModelMath.keep_conv_math``), and must not have kept one before (a pipeline that runs
     each part's kept convolutions would time those instead)."""
     def keep(math: str) -> None:
         body.conv_math = math
 
-    ms = _time_kinds(pipeline, keep, CONV_KINDS, {PART_PHASE[part]: f"the {part}'s model math"
+    ms = _time_kinds(pipeline, keep, CONV_KINDS, {phases[part]: f"the {part}'s model math"
                                                   for part in parts}, rounds)
     made = {}
     for part in parts:
-        conv2d, matmul = (ms[PART_PHASE[part]][k] for k in CONV_KINDS)
+        conv2d, matmul = (ms[phases[part]][k] for k in CONV_KINDS)
         made[part] = {"kept": "matmul" if max(matmul) < min(conv2d) else "conv2d",
-                      "why": "timed", "phase": PART_PHASE[part], "conv2d_ms": conv2d,
+                      "why": "timed", "phase": phases[part], "conv2d_ms": conv2d,
                       "matmul_ms": matmul}
     return made
 
@@ -298,15 +305,17 @@ class ModelMath:
     from a resumed run (:meth:`keep_choices`, :meth:`keep_conv_math`); a checkpoint and a
     summary keep ``executor_choices`` and ``conv_choices``, as the pipeline's ``math``.
 
-    ``parts``: each part's model math as its executor wrapped it ({"rollout": the policy,
-    "update": the loss}); ``agent``: the model whose body may be a conv body; ``compile`` and
-    ``conv_math``: the run's choices ("auto": timed)."""
+    ``parts``: each part's model math as its executor wrapped it ({"rollout": the policy, or
+    the whole rollout step where ``fused``, "update": the loss}); ``agent``: the model whose
+    body may be a conv body; ``compile`` and ``conv_math``: the run's choices ("auto": timed)."""
 
     def __init__(self, stage: Any, parts: dict[str, Any], agent: Any, compile: str = "auto",
-                 conv_math: str = "auto") -> None:
+                 conv_math: str = "auto", fused: bool = False) -> None:
         from .policy import ConvBody
 
         self.stage, self.parts, self.conv_math = stage, tuple(parts), conv_math
+        #: The phase each part's model math is timed in.
+        self.phases = dict(PART_PHASE, **({"rollout": FUSED_ROLLOUT_PHASE} if fused else {}))
         #: The parts whose executor keeps compiled or eager, whichever pays.
         self.choices: dict[str, Choice] = {p: fn for p, fn in parts.items()
                                            if isinstance(fn, Choice)}
@@ -344,10 +353,11 @@ class ModelMath:
         ``executor_choices``. Run once the compiled code has compiled
         (``labkit.capture.warmup`` calls it)."""
         if self.chooses_conv_math and not self.conv_choices:
-            self.keep_conv_math(choose_conv_math(pipeline, self.conv_body, self.parts))
+            self.keep_conv_math(choose_conv_math(pipeline, self.conv_body, self.parts,
+                                                 phases=self.phases))
         undecided = {p: c for p, c in self.choices.items() if p not in self.executor_choices}
         if undecided:
-            self.executor_choices.update(choose(pipeline, undecided))
+            self.executor_choices.update(choose(pipeline, undecided, phases=self.phases))
         return self.executor_choices
 
     def keep_choices(self, made: dict[str, dict]) -> None:

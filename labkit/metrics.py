@@ -33,6 +33,8 @@ class EagerEpisodeStats:
     """Reference: copy finished episodes to Python lists every step (host syncs every step).
     ``device`` is unused (the lists live on the host)."""
 
+    reads_host = True  # every step: it cannot run inside a compiled or captured step
+
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.returns: list[float] = []
         self.lengths: list[int] = []
@@ -120,6 +122,8 @@ class DeviceEpisodeStats:
     Accumulators are float64 so sums of many float32 returns do not lose precision (and
     counts stay exact); the cost is a handful of scalar ops per step.
     """
+
+    reads_host = False  # in update: a compiled rollout step may hold it
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)

@@ -378,7 +378,8 @@ class Agent(nn.Module):
 
 
 @torch.no_grad()
-def sample_action(net: nn.Module, obs: torch.Tensor, generator: torch.Generator | None = None
+def sample_action(net: nn.Module, obs: torch.Tensor, generator: torch.Generator | None = None,
+                  noise: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(action int64 (B,), logprob (B,), value (B,)) from ``net``: an :class:`Agent`, or
     ``torch.compile(agent)``, which shares its parameters.
@@ -391,13 +392,15 @@ def sample_action(net: nn.Module, obs: torch.Tensor, generator: torch.Generator 
     every distribution (dynamo's ``TorchPatcher.patch``); ``torch.multinomial`` itself checks
     its input with device-side asserts since torch 2.6 (no host read). ``generator`` must live
     on the same device as ``obs``; it stays outside any compiled region (dynamo does not trace
-    generators).
+    generators): a compiled rollout step is handed ``noise`` instead, E drawn before it from
+    the same generator (the same numbers: one draw of the same shape).
     """
     debug.check(observations=obs)
     logits, value = net(obs)
     debug.check(logits=logits, values=value)
     logp = logits.float().log_softmax(-1)
-    noise = torch.empty_like(logp).exponential_(generator=generator)
+    if noise is None:
+        noise = torch.empty_like(logp).exponential_(generator=generator)
     action = (logp - noise.log()).argmax(-1)
     return action, logp.gather(-1, action[:, None]).squeeze(-1), \
         net.value_head.denormalize(value)

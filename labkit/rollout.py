@@ -12,7 +12,9 @@ CUDA graph by its rollout executor) and logs after each.
   observations go host->device and the actions device->host every step.
 * ``DeviceCollector`` (stages 2+): env state already on the device; nothing leaves it unless
   the env, the logger or the metrics read it. Its step is written capture-safe: static
-  buffers updated in place, storage rows written at a device-side step counter.
+  buffers updated in place, storage rows written at a device-side step counter. Its work past
+  the sampling noise is one function, :meth:`DeviceCollector.advance`, that a stage may
+  compile whole (``RunConfig.compile_unit="step"``).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 
 from . import debug
 from .envs import ForageNumpy, ForagePyList, ForageTorch, ForageTorchLoop
+from .envs.spec import N_ACTIONS
 from .timing import PhaseClock
 from .validate import check_state_keys, check_state_tensor
 
@@ -57,7 +60,9 @@ class Rollout:
             getattr(self, name).index_copy_(0, t, row.unsqueeze(0))
 
 
-ActFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+#: ``act(obs, generator=..., noise=...)``: (actions, log-probabilities, values), as
+#: :func:`labkit.policy.sample_action` with the policy bound.
+ActFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class Collector:
@@ -69,9 +74,11 @@ class Collector:
     accepts: tuple[type, ...] = ()
 
     def __init__(self, *, env, n_steps: int, act: ActFn, metrics, device: torch.device,
-                 clock: PhaseClock | None = None) -> None:
+                 clock: PhaseClock | None = None,
+                 generator: torch.Generator | None = None) -> None:
         self.env, self.n_envs, self.n_steps = env, env.n_envs, n_steps
         self.act, self.metrics, self.device = act, metrics, device
+        self.generator = generator  # the sampling noise's
         self.clock = clock if clock is not None else PhaseClock(device)
         self.storage = Rollout.zeros(n_steps, self.n_envs, env.spec.obs_shape, device)
         self.t = torch.zeros(1, dtype=torch.int64, device=device)
@@ -135,7 +142,7 @@ class PerEnvCollector(Collector):
         for i, env in enumerate(self.env):
             obs = torch.tensor(self.host_obs[i], device=dev)  # one env's obs, host -> device
             clock.lap("io")
-            action, logprob, value = self.act(obs[None])
+            action, logprob, value = self.act(obs[None], generator=self.generator)
             a = action.item()  # host read per env: the naive baseline
             clock.lap("policy")
             self.host_obs[i], reward, term, trunc, info = env.step(a)
@@ -174,7 +181,7 @@ class HostBatchedCollector(Collector):
         clock, dev = self.clock, self.device
         obs = torch.from_numpy(self.host_obs).to(dev)  # host -> device every step
         clock.lap("io")
-        action, logprob, value = self.act(obs)
+        action, logprob, value = self.act(obs, generator=self.generator)
         self.storage.write(self.t, obs=obs, actions=action, logprobs=logprob, values=value,
                            dones=self.done)
         clock.lap("policy")
@@ -195,10 +202,25 @@ class DeviceCollector(Collector):
     """Stages 2+: the env lives on the device (``ForageTorchLoop`` or ``ForageTorch``).
 
     ``step`` is capture-safe whenever its env and metrics are: fixed shapes, the observation
-    and done flags updated in place, storage written at the device-side counter ``t``.
+    and done flags updated in place, storage written at the device-side counter ``t``. It draws
+    the sampling noise into a fixed buffer from the generator, then runs :meth:`advance`, the
+    rest of the step: eagerly, phase by phase, or as one region an executor wrapped
+    (:meth:`fuse`: ``torch.compile`` of the whole step, so the policy, the sampling, the storage
+    writes, the env step and, where they read nothing on the host, the episode statistics
+    become a few fused kernels instead of one launch per op). A generator cannot enter a
+    compiled region (dynamo does not trace it); drawn outside, the numbers are the ones the
+    eager step draws.
     """
 
     accepts = (ForageTorchLoop, ForageTorch)
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.noise = torch.empty(self.n_envs, N_ACTIONS, device=self.device)
+        #: The step past the noise as one wrapped region (None: eager, phase by phase).
+        self.region: Callable[[], tuple | None] | None = None
+        # Episode statistics that read nothing on the host run inside a fused step.
+        self._metrics_inside = not getattr(self.metrics, "reads_host", True)
 
     def _observe(self) -> None:
         obs = self.env.observation()
@@ -209,16 +231,46 @@ class DeviceCollector(Collector):
     def next_obs(self) -> torch.Tensor:
         return self.obs
 
+    def fuse(self, wrap: Callable[[Callable], Callable]) -> Callable:
+        """Run :meth:`advance` as ``wrap(advance)`` from now on (an executor's ``wrap_model``:
+        compiled, or chosen by timing); its clock then marks one ``step`` phase for it."""
+        self.region = wrap(self.advance)
+        return self.region
+
     def step(self) -> None:
         clock = self.clock
-        action, logprob, value = self.act(self.obs)
+        self.noise.exponential_(generator=self.generator)
+        if self.region is None:
+            action = self._act()
+            clock.lap("policy")
+            ended = self._env(action)
+            clock.lap("env")
+        else:
+            ended = self.region()
+            clock.lap("step")
+        if ended is not None:
+            self.metrics.update(*ended)
+            clock.lap("metrics")
+
+    def advance(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The step past the noise, with no clock: the policy and the storage writes, the env
+        step, and the episode statistics where a fused step holds them; otherwise returns
+        what they are updated with (done, episode return, episode length)."""
+        ended = self._env(self._act())
+        if self.region is not None and self._metrics_inside:
+            self.metrics.update(*ended)
+            return None
+        return ended
+
+    def _act(self) -> torch.Tensor:
+        action, logprob, value = self.act(self.obs, noise=self.noise)
         self.storage.write(self.t, obs=self.obs, actions=action, logprobs=logprob, values=value,
                            dones=self.done)
-        clock.lap("policy")
+        return action
+
+    def _env(self, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         obs, reward, term, trunc, info = self.env.step(action)
         done = term | trunc
         self.obs.copy_(obs)
         self._finish_step(reward, done)
-        clock.lap("env")
-        self.metrics.update(done, info["episode_return"], info["episode_length"])
-        clock.lap("metrics")
+        return done, info["episode_return"], info["episode_length"]

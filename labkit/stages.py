@@ -51,6 +51,7 @@ from .executors import (
     Executor,
     Graphed,
     ModelMath,
+    compiles,
 )
 from .logging import AsyncLogger, SyncLogger
 from .metrics import DeviceEpisodeStats, EagerEpisodeStats
@@ -401,24 +402,37 @@ class Pipeline:
         self.metrics = stage.metrics(device=device)
         env = stage.env(n_envs=cfg.n_envs, spec=cfg.spec, seed=cfg.seed, device=device,
                         env_offset=group.env_offset(cfg.n_envs))
-        self.policy = stage.rollout_executor.wrap_model(self.agent)
-        self.collector = stage.collector(
-            env=env, n_steps=cfg.n_steps, metrics=self.metrics, device=device, clock=self.clock,
-            act=partial(sample_action, self.policy, generator=self.generator))
-        self._step = stage.rollout_executor.wrap_step(self.collector.step, state=self,
-                                             generator=self.generator,
-                                             after_replay=partial(self.clock.lap, "graph"))
+        fused = cfg.compile_unit == "step" and compiles(stage.rollout_executor)
+        rollout_math = self._build_rollout(env, fused)
         self.ppo_update, loss = build_update(
             agent=self.agent, optimizer=self.optimizer,
             clip_grad=group.average_grads(stage.optimizer.clip_grad), precision=self.precision,
             executor=stage.update_executor, cfg=cfg.ppo, generator=self.generator, state=self)
         #: How each part runs its model math and its convolutions, and why (chosen at warm-up,
         #: forced by ``cfg``, or kept from a resumed run).
-        self.math = ModelMath(stage, {"rollout": self.policy, "update": loss}, self.agent,
-                              compile=cfg.compile, conv_math=cfg.conv_math)
+        self.math = ModelMath(stage, {"rollout": rollout_math, "update": loss}, self.agent,
+                              compile=cfg.compile, conv_math=cfg.conv_math, fused=fused)
         self.global_step = 0
         self.iteration_index = 0
         self._initial = self.state_dict()
+
+    def _build_rollout(self, env: Any, fused: bool) -> Any:
+        """The policy, the collector and its step as the rollout executor runs them; returns
+        the rollout's model math: the policy as the executor wrapped it, or, ``fused``
+        (``compile_unit="step"`` in a stage whose rollout compiles), the collector's whole step
+        past the sampling noise wrapped instead, the policy eager inside it."""
+        stage, executor = self.stage, self.stage.rollout_executor
+        if fused and not hasattr(stage.collector, "fuse"):
+            raise ValueError(f"compile_unit=step compiles a DeviceCollector's step; stage "
+                             f"{stage.name} collects with {stage.collector.__name__}")
+        self.policy = self.agent if fused else executor.wrap_model(self.agent)
+        self.collector = stage.collector(
+            env=env, n_steps=self.cfg.n_steps, metrics=self.metrics, device=self.device,
+            clock=self.clock, act=partial(sample_action, self.policy), generator=self.generator)
+        math = self.collector.fuse(executor.wrap_model) if fused else self.policy
+        self._step = executor.wrap_step(self.collector.step, state=self, generator=self.generator,
+                                        after_replay=partial(self.clock.lap, "graph"))
+        return math
 
     # ------------------------------------------------------------------ the iteration
 

@@ -19,7 +19,7 @@ from .device import capturing, synchronize
 
 T = TypeVar("T")
 
-#: Phase keys in the order of an iteration, with what each one holds.
+#: Phase keys, with what each one holds (in the order of an iteration, but ``step``).
 PHASES = {
     "policy": "policy forward + sampling",
     "env": "env step",
@@ -28,6 +28,8 @@ PHASES = {
     "graph": "rollout step replayed as one CUDA graph",
     "gae": "bootstrap value + GAE",
     "update": "PPO update",
+    # last, not in the iteration's order, so that the plots keep each older phase's colour
+    "step": "rollout step past the sampling noise as one compiled region (compile_unit=step)",
 }
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next GPU stay's one command for issue 55 (the ladder climbs, the final stage fills the
-# GPU): measure where each stage's time goes before changing it. About 8 minutes on an H200;
+# GPU): measure where each stage's time goes before changing it. About 9 minutes on an H200;
 # each line under its own `timeout -s INT`, so a cut line keeps what it measured. Nothing else
 # runs beside a timed line. Dry-run it on the CPU first:
 #
@@ -16,6 +16,9 @@
 #   env       ForageTorch alone, eager and compiled, at large N (--torch-only): the env target
 #   profile   stage 7 and 8 kernel tables (torch.profiler): where the update's 1.5 ms goes
 #   ladder    stages 3-8 at N=1024, 10 interleaved rounds: today's climb, sync counts included
+#   fused     stages 5, 6 and 8 at the same N with the whole rollout step compiled
+#             (--compile-unit step), 5 rounds: against the ladder line's rows, whether the
+#             fused step pays on a GPU (the CPU's A/B is in the README)
 #   update    bench-update at the 32,768-sample minibatch, with its floor
 # The results and logs are packed into $OUT/gpu-diagnose.tar.gz.
 set -uo pipefail
@@ -49,6 +52,8 @@ step profile-8 90 python3 -m labkit profile --device "$DEVICE" --stage cuda_grap
     --n-envs "$N" --n-steps "$T" --out "$R/profile8"
 step ladder "$S" $L --stages 3,4,5,6,7,8 --no-scaling --iterations "$ITERS" --n-envs "$N" \
     --out "$R/ladder"
+step fused "$S" $L --stages 5,6,8 --no-scaling --iterations 5 --n-envs "$N" \
+    --compile-unit step --out "$R/ladder-fused"
 step update "$S" python3 -m labkit bench-update --device "$DEVICE" --sizes "$MB" --rounds 5 \
     --out "$R/update"
 tar czf "$OUT/gpu-diagnose.tar.gz" -C "$OUT" diagnose

@@ -188,7 +188,7 @@ def test_a_resumed_run_keeps_the_choice_its_checkpoint_holds(tmp_path, monkeypat
             "update": {"kept": "compiled", "why": "timed", "phase": "update",
                        "eager_ms": [3.0] * 5, "compiled_ms": [2.0] * 5}}
 
-    def scripted(pipe, choices, rounds=CHOICE_ROUNDS):
+    def scripted(pipe, choices, rounds=CHOICE_ROUNDS, phases=None):
         for part, choice in choices.items():
             choice.keep(made[part]["kept"])
         return {part: made[part] for part in choices}
@@ -344,7 +344,7 @@ def test_stage_7_times_its_convolutions_and_each_part_runs_what_it_kept(monkeypa
     kept = {"rollout": "conv2d", "update": "matmul"}
     timed = []
 
-    def scripted(pipe, body, parts, rounds=CHOICE_ROUNDS):
+    def scripted(pipe, body, parts, rounds=CHOICE_ROUNDS, phases=None):
         timed.append(body)
         return {part: {"kept": kept[part], "why": "timed", "phase": part,
                        "conv2d_ms": [1.0], "matmul_ms": [1.0]} for part in parts}

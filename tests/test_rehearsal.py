@@ -234,7 +234,9 @@ def test_without_the_generator_registration_replays_draw_the_same_numbers(monkey
     with rehearsal() as r, Pipeline(GRAPHED, RUN, "cpu") as p, pytest.raises(CaptureError):
         p.collect()
     assert [x.kind for x in r.problems] == ["unregistered_generator"]
-    assert r.problems[0].where.startswith("labkit/policy.py:")
+    # the sampling noise is drawn by the collector's step, before the policy
+    assert r.problems[0].where.startswith("labkit/rollout.py:") and "(step)" in \
+        r.problems[0].where
     with rehearsal(strict=False):
         graphed = _iterations(GRAPHED, n=1)
     assert not _same(stage_7[:1], graphed)
@@ -354,6 +356,14 @@ def test_a_tensor_made_with_a_device_or_a_host_scalar_is_no_problem():
 
     report = rehearse(step, torch.arange(4.0))
     assert report.ok, report
+
+
+def test_stage_8_with_its_whole_rollout_step_fused_is_capturable():
+    """compile_unit="step": the captured step holds the whole step past the noise as one
+    region, episode statistics included; rehearsed, it is capturable and every rollout and
+    update is bit-identical to the stage without graphs."""
+    report = rehearse_stage(GRAPHED, RUN.replace(compile_unit="step"), iterations=2)
+    assert report.ok and report.equal and report.graphs == 2, report
 
 
 def test_the_planted_host_tensor_in_stage_8_is_found():

@@ -339,15 +339,67 @@ def test_stages_collect_identical_rollouts():
     """Same seed -> same actions and env dynamics on every fp32 stage (bit-exact), compiled
     policy included; values agree to float32 rounding."""
     rollouts = {}
-    for index in range(8):
-        with Pipeline(STAGES[index], RUN, CPU) as p:
-            rollouts[index] = {k: v.clone() for k, v in p.collect().tensors().items()}
-    ref = rollouts[3]
+    fused = RUN.replace(compile_unit="step")  # stages 5-7's whole step compiled: one region
+    for index, cfg in [*((i, RUN) for i in range(8)), *((i, fused) for i in (5, 6, 7))]:
+        with Pipeline(STAGES[index], cfg, CPU) as p:
+            rollouts[index, cfg.compile_unit] = {k: v.clone()
+                                                 for k, v in p.collect().tensors().items()}
+    ref = rollouts[3, "model"]
     for index, r in rollouts.items():
         for key in ("obs", "actions", "rewards", "dones"):
             assert torch.equal(r[key], ref[key]), (index, key)
         torch.testing.assert_close(r["values"], ref["values"], rtol=1e-5, atol=1e-6)
     assert ref["rewards"].abs().sum() > 0  # food and poison were eaten: respawns ran
+
+
+@pytest.mark.parametrize("index, marks", [
+    (4, {"policy", "env", "metrics"}),  # eager: compile_unit says nothing
+    (5, {"step", "metrics"}),  # its episode statistics read the host: outside the region
+    (6, {"step"})])  # device statistics: inside it
+def test_a_fused_rollout_step_runs_as_one_region(index, marks):
+    """compile_unit="step": the step past the sampling noise is one compiled region
+    (fullgraph: a graph break would raise), marked as one ``step`` phase; stage 6's episode
+    statistics are updated inside it, stage 5's eager ones after it; an eager stage is as
+    it was. The rollout is the model unit's, bit for bit, and the warm-up's choice is timed
+    in the ``step`` phase."""
+    fused = RUN.replace(compile_unit="step")
+    with Pipeline(STAGES[index], RUN, CPU) as ref, Pipeline(STAGES[index], fused, CPU) as p:
+        assert (p.collector.region is not None) == (index >= 5)
+        assert p.math.phases["rollout"] == ("step" if index >= 5 else "policy")
+        p.clock.start()
+        a = p.collect()
+        assert set(p.clock.stop()) == marks | {"io"}
+        b = ref.collect()
+        for key in ("obs", "actions", "rewards", "dones"):
+            assert torch.equal(getattr(a, key), getattr(b, key)), key
+        assert p.metrics.summary() == ref.metrics.summary()
+    with pytest.raises(ValueError, match="compile_unit must be one of model, step"):
+        RUN.replace(compile_unit="region")
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_a_fused_rollout_step_launches_fewer_kernels():
+    """What compile_unit="step" exists for: on a GPU the eager ops around the compiled policy
+    (sampling, storage writes, the env step, the statistics) are one launch each. Counted as
+    a GPU would launch them (labkit.measure.profiling.LaunchCount: inductor's generated
+    kernels, and the aten ops outside them), stages 5 and 6 launch fewer kernels a step with
+    the whole step compiled, and stage 6's device statistics then launch nothing of their own
+    (its step launches no more than stage 5's, where they had added launches)."""
+    from labkit.measure.profiling import LaunchCount
+
+    per_step = {}
+    for unit in ("model", "step"):
+        for index in (5, 6):
+            with Pipeline(STAGES[index], RUN.replace(compile_unit=unit), CPU) as p:
+                warmup(p)
+                with LaunchCount() as launched:
+                    p.collect()
+            per_step[index, unit] = launched.total / RUN.n_steps
+    assert per_step[5, "step"] < per_step[5, "model"], per_step
+    assert per_step[6, "step"] < per_step[6, "model"], per_step
+    assert per_step[6, "model"] > per_step[5, "model"], per_step  # the statistics' own ops
+    assert per_step[6, "step"] <= per_step[5, "step"], per_step
 
 
 def _update_result(index: int, batch, device: torch.device = CPU) -> list[torch.Tensor]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..capture import tree_map
-from ..executors import KINDS, PART_PHASE
+from ..executors import FUSED_ROLLOUT_PHASE, KINDS, PART_PHASE
 from ..files import atomic_write
 from ..policy import CONV_MATHS
 from ..stages import PipelineState
@@ -192,13 +192,14 @@ def _scaler_ok(state: dict) -> bool:
 def _choice_ok(made: Any, part: str, kinds: tuple[str, ...] = KINDS) -> bool:
     """A saved choice for ``part`` between ``kinds`` (compiled or eager; its convolutions,
     conv2d or matmul): what it kept, why, and for a timed one its phase (the part's) and each
-    kind's timings."""
+    kind's timings; a fused rollout step's is timed in its ``step`` phase)."""
     if not (isinstance(made, dict) and made.get("kept") in kinds
             and isinstance(made.get("why"), str)):
         return False
     if made["why"] != "timed":
         return True
-    return made.get("phase") == PART_PHASE[part] and _timings_ok(
+    phases = {PART_PHASE[part]} | ({FUSED_ROLLOUT_PHASE} if part == "rollout" else set())
+    return made.get("phase") in phases and _timings_ok(
         [made.get(f"{kind}_ms") for kind in kinds])
 
 

@@ -101,11 +101,12 @@ _NO_COST = {"phases": [], "ms_per_iteration": None, "share": None}
 
 #: Which phases of the pipeline's clock a component's work lands in.
 _SLOT_PHASES = {
-    "env": ("env",), "collector": ("policy", "env"), "model": ("policy", "update"),
-    "logger": ("io",), "metrics": ("metrics",), "optimizer": ("update",),
-    "precision": ("update",), "rollout_executor": ("policy", "graph"),
-    "update_executor": ("update",),
-    "pipeline": ("io", "gae"), "user code": ("policy", "env", "io", "metrics", "update"),
+    "env": ("env", "step"), "collector": ("policy", "env", "step"),
+    "model": ("policy", "step", "update"), "logger": ("io",), "metrics": ("metrics", "step"),
+    "optimizer": ("update",), "precision": ("update",),
+    "rollout_executor": ("policy", "graph", "step"), "update_executor": ("update",),
+    "pipeline": ("io", "gae"),
+    "user code": ("policy", "env", "step", "io", "metrics", "update"),
 }
 
 

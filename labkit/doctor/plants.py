@@ -98,9 +98,10 @@ class NanCheckingCollector(DeviceCollector):
         super().__init__(**kwargs)
         act = self.act
 
-        def checked_act(obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def checked_act(obs: torch.Tensor, **kwargs: Any
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             self._check("observations", obs)
-            action, logprob, value = act(obs)
+            action, logprob, value = act(obs, **kwargs)
             self._check("logprobs", logprob)
             self._check("values", value)
             return action, logprob, value
