@@ -26,13 +26,16 @@ def _times(ratio: float | None) -> str:
 
 @dataclass(frozen=True)
 class Column:
-    """One column: a short header for text, a longer one for Markdown, and its cell."""
+    """One column: a short header for text, a longer one for Markdown, and its cell. A column
+    with ``only_with`` is shown where some row that ran has that key (a CUDA-only figure is
+    left out of a CPU table rather than a column of dashes)."""
 
     head: str
     title: str
     cell: Callable[[dict], str]
     width: int = 8
     left: bool = False
+    only_with: str | None = None
 
     def pad(self, text: str) -> str:
         return f"{text:<{self.width}}" if self.left else f"{text:>{self.width}}"
@@ -49,27 +52,37 @@ class Table:
     def ran(row: dict) -> bool:
         return row.get("status", "ok") == "ok"
 
+    def shown(self, rows: list[dict]) -> tuple[Column, ...]:
+        """The columns ``rows`` show: all but those whose ``only_with`` key no row that ran
+        has."""
+        return tuple(c for c in self.columns if c.only_with is None
+                     or any(self.ran(r) and c.only_with in r for r in rows))
+
     def text(self, rows: Iterable[dict]) -> str:
         """A header, a rule and one line per row, columns separated by a space."""
-        head = " ".join(c.pad(c.head) for c in self.columns).rstrip()
+        rows = list(rows)
+        columns = self.shown(rows)
+        head = " ".join(c.pad(c.head) for c in columns).rstrip()
         lines = [head, "-" * len(head)]
         for r in rows:
             if self.ran(r):
-                cells = [c.pad(c.cell(r)) for c in self.columns]
+                cells = [c.pad(c.cell(r)) for c in columns]
             else:
-                cells = [c.pad(c.cell(r)) for c in self.columns[:self.keys]] + [r["status"]]
+                cells = [c.pad(c.cell(r)) for c in columns[:self.keys]] + [r["status"]]
             lines.append(" ".join(cells).rstrip())
         return "\n".join(lines)
 
     def markdown(self, rows: Iterable[dict]) -> str:
         """A Markdown table with the long headers."""
-        n = len(self.columns)
-        lines = ["| " + " | ".join(c.title for c in self.columns) + " |", "|---" * n + "|"]
+        rows = list(rows)
+        columns = self.shown(rows)
+        n = len(columns)
+        lines = ["| " + " | ".join(c.title for c in columns) + " |", "|---" * n + "|"]
         for r in rows:
             if self.ran(r):
-                cells = [c.cell(r) for c in self.columns]
+                cells = [c.cell(r) for c in columns]
             else:
-                cells = ([c.cell(r) for c in self.columns[:self.keys]] + [r["status"]]
+                cells = ([c.cell(r) for c in columns[:self.keys]] + [r["status"]]
                          + [""] * (n - self.keys - 1))
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
@@ -85,14 +98,16 @@ class Table:
             return (f"<{tag}{title}{extra} style='text-align:{align};white-space:nowrap'>"
                     f"{html.escape(text)}</{tag}>")
 
-        head = "".join(cell("th", c.head, c) for c in self.columns)
+        rows = list(rows)
+        columns = self.shown(rows)
+        head = "".join(cell("th", c.head, c) for c in columns)
         body = []
         for r in rows:
             if self.ran(r):
-                cells = "".join(cell("td", c.cell(r), c) for c in self.columns)
+                cells = "".join(cell("td", c.cell(r), c) for c in columns)
             else:
-                cells = "".join(cell("td", c.cell(r), c) for c in self.columns[:self.keys]) \
-                    + cell("td", r["status"], span=len(self.columns) - self.keys)
+                cells = "".join(cell("td", c.cell(r), c) for c in columns[:self.keys]) \
+                    + cell("td", r["status"], span=len(columns) - self.keys)
             body.append(f"<tr>{cells}</tr>")
         return (f"<div style='overflow-x:auto'><table><thead><tr>{head}</tr></thead>"
                 f"<tbody>{''.join(body)}</tbody></table></div>")
@@ -153,6 +168,9 @@ LADDER = Table((
     Column("x st0", "x stage 0", lambda r: fmt(r.get("x_vs_stage0"), ".1f"), 6),
     Column("x prev", "x prev", lambda r: fmt(r.get("x_vs_prev"), ".2f"), 6),
     Column("syncs/it", "device reads (syncs) / iter", _count("device_reads_per_iter"), 8),
+    # what waits on a GPU: every sync CUDA reported, pageable host-to-device copies included
+    Column("cuda/it", "CUDA syncs / iter (device reads and pageable copies)",
+           _count("cuda_syncs_per_iter"), 7, only_with="cuda_syncs_per_iter"),
     Column("host/it", "host-scalar reads / iter", _count("host_scalar_reads_per_iter"), 7),
     Column("k/step", "kernels (GPU launches) / rollout step", _count("kernels_per_step", ".4g"),
            7),
