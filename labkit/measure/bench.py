@@ -33,7 +33,7 @@ from ..capture import warmup
 from ..config import BenchConfig, RunConfig, available_memory, memory_estimate
 from ..device import run_metadata, synchronize
 from ..executors import describe_model_math
-from ..policy import flops_per_sample
+from ..policy import flops_per_sample, sample_action
 from ..ppo import Batch
 from ..signals import raise_if_stopped, signum_of
 from ..stages import STAGES, Pipeline, PipelineState, Stage, StageSkipped, get_stage
@@ -81,13 +81,27 @@ def timed_iteration(pipe: Pipeline, marked: bool) -> tuple[float, dict[str, floa
     return elapsed, (pipe.clock.stop() if marked else {}), out
 
 
+def _policy(pipe: Pipeline) -> Callable:
+    """The policy as the stage's rollout executor runs it: ``pipe.policy``; where the whole
+    step is one region (``compile_unit="step"``, the policy eager inside it), the agent
+    wrapped as the model unit wraps it, running what the step's choice kept."""
+    region = getattr(pipe.collector, "region", None)
+    if region is None:
+        return pipe.policy
+    policy = pipe.stage.rollout_executor.wrap_model(pipe.agent)
+    if hasattr(region, "kept"):  # a Choice: the step's timed or forced choice
+        policy.keep(region.kept)
+    return policy
+
+
 def model_work(pipe: Pipeline, batch) -> Callable[[], None]:
     """The stage's model work alone, what its compute ceiling times: T policy forwards over N
     envs on a fixed observation and the whole PPO update on ``batch``, through the stage's own
     executors and precision. It changes the pipeline's state (save and restore around it)."""
-    obs = pipe.collector.next_obs()
+    obs, policy = pipe.collector.next_obs(), _policy(pipe)
     policy_step = pipe.stage.rollout_executor.wrap_step(
-        lambda: pipe.collector.act(obs), state=pipe, generator=pipe.generator)
+        lambda: sample_action(policy, obs, generator=pipe.generator), state=pipe,
+        generator=pipe.generator)
 
     def work() -> None:
         with torch.no_grad():
