@@ -26,6 +26,7 @@ PROFILES = ("quick", "full", "tiny")
 COMPILE_CHOICES = ("auto", "compiled", "eager")
 CONV_MATH_CHOICES = ("auto", *CONV_MATHS)
 COMPILE_UNITS = ("model", "step")
+CAPTURE_UNITS = ("minibatch", "update")
 
 
 def default_profile(device: torch.device) -> str:
@@ -64,6 +65,11 @@ class RunConfig:
     the sampling noise as one region, ``DeviceCollector.advance``: the policy, the sampling,
     the storage writes, the env step and device-side episode statistics). The update is
     compiled the same way in both."""
+    capture_unit: str = "minibatch"
+    """What a stage that replays its update as a CUDA graph (cuda_graphs) captures: minibatch
+    (one graph for a minibatch step, replayed epochs x minibatches times, the permutation drawn
+    and each minibatch gathered outside it), or update (one graph for the whole update: every
+    epoch and minibatch, the permutations drawn and the minibatches gathered inside it)."""
     conv_math: str = "auto"
     """How the conv body runs its convolutions (``labkit.policy.ConvBody``): auto (the stages
     whose executors choose by timing, fused_amp, also time conv2d against matmul at warmup,
@@ -93,6 +99,9 @@ class RunConfig:
         if self.compile_unit not in COMPILE_UNITS:
             raise ValueError(f"compile_unit must be one of {', '.join(COMPILE_UNITS)}; got "
                              f"{self.compile_unit!r}")
+        if self.capture_unit not in CAPTURE_UNITS:
+            raise ValueError(f"capture_unit must be one of {', '.join(CAPTURE_UNITS)}; got "
+                             f"{self.capture_unit!r}")
         if self.conv_math not in CONV_MATH_CHOICES:
             raise ValueError(f"conv_math must be one of {', '.join(CONV_MATH_CHOICES)}; got "
                              f"{self.conv_math!r}")

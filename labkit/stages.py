@@ -407,7 +407,8 @@ class Pipeline:
         self.ppo_update, loss = build_update(
             agent=self.agent, optimizer=self.optimizer,
             clip_grad=group.average_grads(stage.optimizer.clip_grad), precision=self.precision,
-            executor=stage.update_executor, cfg=cfg.ppo, generator=self.generator, state=self)
+            executor=stage.update_executor, cfg=cfg.ppo, generator=self.generator, state=self,
+            whole=cfg.capture_unit == "update")
         #: How each part runs its model math and its convolutions, and why (chosen at warm-up,
         #: forced by ``cfg``, or kept from a resumed run).
         self.math = ModelMath(stage, {"rollout": rollout_math, "update": loss}, self.agent,

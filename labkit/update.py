@@ -88,14 +88,22 @@ class FusedAdam(Adam):
 
 def build_update(*, agent: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  clip_grad: Callable, precision: Precision, executor, cfg: PPOConfig,
-                 generator: torch.Generator, state: Any) -> tuple[Callable, Callable]:
+                 generator: torch.Generator, state: Any, whole: bool = False
+                 ) -> tuple[Callable, Callable]:
     """``update(batch) -> stats``: :func:`labkit.ppo.ppo_update` with a minibatch step made of
     ``executor.wrap_model(loss)``, ``precision`` and ``clip_grad``, itself run through
     ``executor.wrap_step`` (``state`` is what a graph capture saves and restores); and that
-    wrapped loss (a :class:`labkit.executors.Choice` where the executor decides later)."""
+    wrapped loss (a :class:`labkit.executors.Choice` where the executor decides later).
+    ``whole``: ``executor.wrap_step`` wraps the whole update instead, every epoch and
+    minibatch (a graphed executor then captures one graph for all of it: the permutations
+    drawn from the registered ``generator`` and the minibatches gathered inside it)."""
     loss_fn = executor.wrap_model(partial(ppo_loss, agent, cfg=cfg))
     step = partial(minibatch_step, loss_fn=loss_fn, optimizer=optimizer,
                    params=[p for p in agent.parameters() if p.requires_grad],
                    max_grad_norm=cfg.max_grad_norm, clip_grad=clip_grad, precision=precision)
-    step = executor.wrap_step(step, state=state, generator=generator)
-    return partial(ppo_update, agent, cfg=cfg, generator=generator, step=step), loss_fn
+    if not whole:
+        step = executor.wrap_step(step, state=state, generator=generator)
+    update = partial(ppo_update, agent, cfg=cfg, generator=generator, step=step)
+    if whole:
+        update = executor.wrap_step(update, state=state, generator=generator)
+    return update, loss_fn

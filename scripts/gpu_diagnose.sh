@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next GPU stay's one command for issue 55 (the ladder climbs, the final stage fills the
-# GPU): measure where each stage's time goes before changing it. About 9 minutes on an H200;
+# GPU): measure where each stage's time goes before changing it. About 10 minutes on an H200;
 # each line under its own `timeout -s INT`, so a cut line keeps what it measured. Nothing else
 # runs beside a timed line. Dry-run it on the CPU first:
 #
@@ -19,6 +19,8 @@
 #   fused     stages 5, 6 and 8 at the same N with the whole rollout step compiled
 #             (--compile-unit step), 5 rounds: against the ladder line's rows, whether the
 #             fused step pays on a GPU (the CPU's A/B is in the README)
+#   whole     stage 8 at the same N with its whole update captured as one graph
+#             (--capture-unit update: permutations and minibatch gathers inside it), 5 rounds
 #   update    bench-update at the 32,768-sample minibatch, with its floor
 # The results and logs are packed into $OUT/gpu-diagnose.tar.gz.
 set -uo pipefail
@@ -40,7 +42,12 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"; } > 
 cat "$R/device.txt"
 status=0
 source "$(dirname "$0")/gpu_step.sh"
-step() { local name=$1 limit=$2; shift 2; gpu_step "$R" "$limit" 12 "$name" "$@"; }
+# each line's results packed as soon as it ends: a stay cut short still returns what finished
+step() {
+    local name=$1 limit=$2; shift 2
+    gpu_step "$R" "$limit" 12 "$name" "$@"
+    tar czf "$OUT/gpu-diagnose.tar.gz" -C "$OUT" diagnose
+}
 L="python3 -m labkit ladder --device $DEVICE --no-progress --n-steps $T"
 step scaling $((S + 60)) $L --stages 7,8 --iterations 3 --n-envs "${SWEEP%% *}" \
     --scaling-n-envs $SWEEP --out "$R/scaling"
@@ -54,6 +61,8 @@ step ladder "$S" $L --stages 3,4,5,6,7,8 --no-scaling --iterations "$ITERS" --n-
     --out "$R/ladder"
 step fused "$S" $L --stages 5,6,8 --no-scaling --iterations 5 --n-envs "$N" \
     --compile-unit step --out "$R/ladder-fused"
+step whole 120 $L --stages 8 --no-scaling --iterations 5 --n-envs "$N" \
+    --capture-unit update --out "$R/ladder-whole"
 step update "$S" python3 -m labkit bench-update --device "$DEVICE" --sizes "$MB" --rounds 5 \
     --out "$R/update"
 tar czf "$OUT/gpu-diagnose.tar.gz" -C "$OUT" diagnose

@@ -358,6 +358,19 @@ def test_a_tensor_made_with_a_device_or_a_host_scalar_is_no_problem():
     assert report.ok, report
 
 
+@pytest.mark.slow  # about 3 s
+def test_stage_8_capturing_its_whole_update_equals_stage_7_bit_for_bit(stage_7):
+    """capture_unit="update": one graph for the whole update, the permutations drawn from the
+    registered generator and every minibatch gathered and stepped inside it, replayed once an
+    iteration (against epochs x minibatches replays of the minibatch graph): three iterations
+    compute what eager stage 7 computes, bit for bit."""
+    with rehearsal() as r:
+        graphed = _iterations(GRAPHED, cfg=RUN.replace(capture_unit="update"))
+    assert r.problems == [] and len(r.graphs) == 2
+    assert sorted(g.replays for g in r.graphs) == sorted([3, 3 * RUN.n_steps])
+    assert _same(stage_7, graphed)
+
+
 def test_stage_8_with_its_whole_rollout_step_fused_is_capturable():
     """compile_unit="step": the captured step holds the whole step past the noise as one
     region, episode statistics included; rehearsed, it is capturable and every rollout and

@@ -218,7 +218,8 @@ def cmd_ladder(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("n_envs", args.n_envs), ("n_steps", args.n_steps),
                                    ("iterations", args.iterations), ("compile", args.compile),
                                    ("conv_math", args.conv_math),
-                                   ("compile_unit", args.compile_unit))
+                                   ("compile_unit", args.compile_unit),
+                                   ("capture_unit", args.capture_unit))
                  if v is not None}
     if args.scaling_n_envs:
         overrides["scaling_n_envs"] = tuple(args.scaling_n_envs)
@@ -256,7 +257,14 @@ def _add_ladder(sub) -> None:
                    help="default: full on CUDA, quick otherwise")
     p.add_argument("--stages", type=stage_list, default=None,
                    help="comma-separated stage indices or names (default: all)")
-    from ..config import COMPILE_CHOICES, COMPILE_UNITS, CONV_MATH_CHOICES, BenchConfig, RunConfig
+    from ..config import (
+        CAPTURE_UNITS,
+        COMPILE_CHOICES,
+        COMPILE_UNITS,
+        CONV_MATH_CHOICES,
+        BenchConfig,
+        RunConfig,
+    )
 
     profile = "default: the profile's"
     field_flag(p, RunConfig, "n_envs", positive_int, default_note=profile)
@@ -265,6 +273,7 @@ def _add_ladder(sub) -> None:
     field_flag(p, BenchConfig, "scaling_n_envs", positive_int, nargs="+", default_note=profile)
     field_flag(p, RunConfig, "compile", str, choices=COMPILE_CHOICES)
     field_flag(p, RunConfig, "compile_unit", str, choices=COMPILE_UNITS)
+    field_flag(p, RunConfig, "capture_unit", str, choices=CAPTURE_UNITS)
     field_flag(p, RunConfig, "conv_math", str, choices=CONV_MATH_CHOICES)
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads on the CPU (default: the cores no other "
