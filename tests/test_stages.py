@@ -354,8 +354,9 @@ def test_stages_collect_identical_rollouts():
 
 @pytest.mark.parametrize("index, marks", [
     (4, {"policy", "env", "metrics"}),  # eager: compile_unit says nothing
-    (5, {"step", "metrics"}),  # its episode statistics read the host: outside the region
-    (6, {"step"})])  # device statistics: inside it
+    # (slow: each compiles the step, about 3 s)
+    pytest.param(5, {"step", "metrics"}, marks=pytest.mark.slow),  # host-reading statistics:
+    pytest.param(6, {"step"}, marks=pytest.mark.slow)])  # outside; device statistics: inside
 def test_a_fused_rollout_step_runs_as_one_region(index, marks):
     """compile_unit="step": the step past the sampling noise is one compiled region
     (fullgraph: a graph break would raise), marked as one ``step`` phase; stage 6's episode
