@@ -119,17 +119,28 @@ def test_threads_choice_is_recorded_and_overridable(cpu):
 
 
 @pytest.mark.slow
+def _spin_when_started(seconds: float, started) -> None:
+    started.release()
+    _spin(seconds)
+
+
 def test_a_planted_busy_neighbour_shows_as_run_queue_wait():
     """For real: as many spinning processes as this process may use cores make a spinning
-    thread of ours wait for a CPU, beyond the verdict's bound."""
+    thread of ours wait for a CPU, beyond the verdict's bound. (A spawned process imports this
+    file, torch with it, before it spins: seconds on a busy 2-core CI machine, where a fixed
+    0.3 s wait once read 0 neighbours; each says when it starts.)"""
     if not os.path.exists("/proc/self/task"):
         pytest.skip("needs /proc (Linux)")
     ctx = multiprocessing.get_context("spawn")
-    hogs = [ctx.Process(target=_spin, args=(3.0,), daemon=True) for _ in range(noise.cores())]
+    started = ctx.Semaphore(0)
+    hogs = [ctx.Process(target=_spin_when_started, args=(3.0, started), daemon=True)
+            for _ in range(noise.cores())]
     for h in hogs:
         h.start()
     try:
-        time.sleep(0.3)  # let them start spinning
+        for _ in hogs:
+            assert started.acquire(timeout=60), "a spinning process did not start in 60 s"
+        time.sleep(0.1)
         assert noise.others_running() >= 1
         with noise.Wait() as busy:
             _spin(0.6)

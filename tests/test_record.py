@@ -380,3 +380,22 @@ def test_no_stored_notebook_holds_widget_state(path):
     text = path.read_text(encoding="utf-8")
     assert "application/vnd.jupyter.widget-view+json" not in text
     assert "application/vnd.jupyter.widget-state+json" not in text
+
+
+def test_a_print_flushed_in_two_parts_is_stored_as_one_output():
+    """The kernel may send a print's text and its newline as two stream outputs (chapter 02
+    was stored so, and its page showed a blank output): the recorder keeps one output per run
+    of the same stream, the text whole; stderr and other outputs stay apart."""
+    from labkit.app.notebooks import merge_streams
+
+    def stream(name, text):
+        return {"output_type": "stream", "name": name, "text": text}
+
+    result = {"output_type": "execute_result", "data": {"text/plain": "1"}}
+    nb = {"cells": [{"cell_type": "code", "outputs": [
+        stream("stdout", ["skipped: needs CUDA"]), stream("stdout", ["\n"]),
+        stream("stderr", "a warning\n"), result, stream("stdout", "a\n"),
+        stream("stdout", ["b\n", "c\n"])]}, {"cell_type": "markdown"}]}
+    outs = merge_streams(nb)["cells"][0]["outputs"]
+    assert outs == [stream("stdout", "skipped: needs CUDA\n"), stream("stderr", "a warning\n"),
+                    result, stream("stdout", "a\nb\nc\n")]

@@ -21,11 +21,32 @@ def execute_notebook(path: Path, device: torch.device, commit: str, timeout: int
     NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=True,
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     strip_widgets(nb)
+    merge_streams(nb)
     nb.metadata["labkit"] = {"device": device.type, "git_commit": commit,
                              "date": run_metadata(device)["date"]}
     with atomic_write(path) as f:
         nbformat.write(nb, f)
     return path
+
+
+def merge_streams(nb: dict) -> dict:
+    """One output per run of stream outputs of the same name, as a live notebook shows them:
+    the kernel may flush a print's text and its newline apart, and a page built from the
+    stored notebook would show the newline alone as a blank output."""
+    for cell in nb.get("cells", []):
+        merged: list = []
+        for out in cell.get("outputs", []):
+            last = merged[-1] if merged else None
+            if out.get("output_type") == "stream" and last is not None \
+                    and last.get("output_type") == "stream" and last.get("name") == out.get("name"):
+                text = out["text"] if isinstance(out["text"], str) else "".join(out["text"])
+                before = last["text"] if isinstance(last["text"], str) else "".join(last["text"])
+                last["text"] = before + text
+            else:
+                merged.append(out)
+        if "outputs" in cell:
+            cell["outputs"] = merged
+    return nb
 
 
 _VIEW = "application/vnd.jupyter.widget-view+json"
