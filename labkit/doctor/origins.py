@@ -18,13 +18,12 @@ from __future__ import annotations
 import ast
 import collections
 import inspect
-import textwrap
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from ..measure.hostflow import name_device, names_cpu
+from ..measure.hostflow import name_device, names_cpu, source_tree
 
 #: torch's calls that make a tensor from nothing or from Python data.
 _MAKERS = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn",
@@ -54,14 +53,13 @@ def _dict_on_host(value: dict, scope: tuple, name: str) -> list[tuple[torch.Tens
         return []
     from ..measure.syncmeter import short_path
 
-    node, path, start = assigned
+    node, path, first = assigned
     found = []
     for key, made in zip(node.value.keys, node.value.values):
         held = value.get(key.value) if isinstance(key, ast.Constant) else None
         if isinstance(held, torch.Tensor) and _host_constructor(
-                made, lambda var: name_device(path, start, var) == "cpu"):
-            found.append((held, f"{short_path(path)}:{max(start, 1) + made.lineno - 1} "
-                                f"({name}[{key.value!r}])"))
+                made, lambda var: name_device(path, first, var) == "cpu"):
+            found.append((held, f"{short_path(path)}:{made.lineno} ({name}[{key.value!r}])"))
     return found
 
 
@@ -153,12 +151,12 @@ def _made_on_host(scope: tuple, name: str) -> str | None:
     found = _assignment(scope, name)
     if found is None:
         return None
-    node, path, start = found
-    if not _host_constructor(node.value, lambda var: name_device(path, start, var) == "cpu"):
+    node, path, first = found
+    if not _host_constructor(node.value, lambda var: name_device(path, first, var) == "cpu"):
         return None
     from ..measure.syncmeter import short_path
 
-    return f"{short_path(path)}:{max(start, 1) + node.lineno - 1} ({name})"
+    return f"{short_path(path)}:{node.lineno} ({name})"
 
 
 def disabled_scalers(fn: Callable) -> list[Any]:
@@ -177,50 +175,99 @@ def disabled_scalers(fn: Callable) -> list[Any]:
 
 
 def _assignment(scope: tuple, name: str) -> tuple[ast.stmt, str, int] | None:
-    """(the last assignment to ``name`` in ``scope``'s source, its file, the line the parsed
-    source starts at), or None where the source cannot say."""
+    """(the last assignment to ``name`` in ``scope``'s source, its file, the first line of the
+    function it is in, 0 for a class or a module), or None where the source cannot say. Line
+    numbers are the file's: the source is parsed once per file (``source_tree``)."""
     kind, holder = scope
     try:
-        if kind == "closure":
-            lines, start = _enclosing(holder)
-        else:
-            lines, start = inspect.getsourcelines(holder)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
         path = inspect.getsourcefile(holder if kind != "closure" else holder.__code__)
-    except (OSError, TypeError, SyntaxError):
+    except TypeError:
         return None
-    if kind == "class" and any(isinstance(n, ast.Call) and getattr(n.func, "id", None)
-                               == "setattr" for n in ast.walk(tree)):
-        return None  # attributes rebound by name (a hand-written .to()): the source cannot say
-    last = None
-    nodes = tree.body if kind == "module" else ast.walk(tree)  # a module's own names only
+    tree = source_tree(path) if path else None
+    if tree is None:
+        return None
+    if kind == "closure":
+        body, first = _enclosing(tree, holder.__code__.co_firstlineno)
+    elif kind == "class":
+        body, first = _class_node(tree, holder.__qualname__), 0
+    else:
+        body, first = tree, 0
+    last = _last_assignments(body, kind).get(name) if body is not None else None
+    return None if last is None else (last, path, first)
+
+
+_ASSIGNED: dict[tuple[int, str], tuple[ast.AST, dict[str, ast.stmt]]] = {}
+
+
+def _last_assignments(body: ast.AST, kind: str) -> dict[str, ast.stmt]:
+    """The last assignment to each name in ``body`` (a module's own names only; a class's
+    ``self.`` attributes), once per body: a rehearsal asks for every name a step holds. A class
+    that rebinds attributes by name (``setattr``, a hand-written ``.to()``) has none: its source
+    cannot say."""
+    kept = _ASSIGNED.get((id(body), kind))
+    if kept is not None and kept[0] is body:
+        return kept[1]
+    last: dict[str, ast.stmt] = {}
+    nodes = body.body if kind == "module" else ast.walk(body)
     for node in nodes:
+        if kind == "class" and isinstance(node, ast.Call) and \
+                getattr(node.func, "id", None) == "setattr":
+            last = {}
+            break
         targets = node.targets if isinstance(node, ast.Assign) else (
             [node.target] if isinstance(node, ast.AnnAssign) and node.value else [])
         for target in targets:
             assigned = target.attr if kind == "class" and isinstance(target, ast.Attribute) \
                 and isinstance(target.value, ast.Name) and target.value.id == "self" else (
                 target.id if kind != "class" and isinstance(target, ast.Name) else None)
-            if assigned == name and (last is None or node.lineno > last.lineno):
-                last = node
-    return None if last is None else (last, path, start)
+            if assigned is not None and (assigned not in last
+                                         or node.lineno > last[assigned].lineno):
+                last[assigned] = node
+    _ASSIGNED[(id(body), kind)] = (body, last)
+    return last
 
 
-def _enclosing(func: Callable) -> tuple[list[str], int]:
-    """The source lines of the function that defines ``func`` (a closure), and its first
-    line number."""
-    lines, _ = inspect.findsource(func)
-    tree = ast.parse("".join(lines))
-    line = func.__code__.co_firstlineno
+_FUNCTIONS: dict[int, tuple[ast.Module, list]] = {}
+
+
+def _enclosing(tree: ast.Module, line: int) -> tuple[ast.AST | None, int]:
+    """The innermost function of ``tree`` around ``line`` (where a closure was defined), and
+    its first line."""
+    kept = _FUNCTIONS.get(id(tree))
+    if kept is None or kept[0] is not tree:
+        kept = _FUNCTIONS[id(tree)] = (tree, [
+            n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))])
     best = None
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
-                node.lineno < line <= (node.end_lineno or node.lineno):
+    for node in kept[1]:
+        if node.lineno < line <= (node.end_lineno or node.lineno):
             if best is None or node.lineno > best.lineno:
                 best = node
-    if best is None:
-        raise OSError("no enclosing function")
-    return lines[best.lineno - 1:best.end_lineno], best.lineno
+    return best, (best.lineno if best is not None else 0)
+
+
+_CLASSES: dict[int, tuple[ast.Module, dict[str, ast.ClassDef]]] = {}
+
+
+def _class_node(tree: ast.Module, qualname: str) -> ast.ClassDef | None:
+    """The class statement of ``tree`` whose qualified name is ``qualname`` (``Outer.Inner``,
+    ``make.<locals>.Net``), as :func:`inspect.findsource` finds it; indexed once per tree."""
+    kept = _CLASSES.get(id(tree))
+    if kept is None or kept[0] is not tree:
+        kept = _CLASSES[id(tree)] = (tree, dict(_classes(tree, "")))
+    return kept[1].get(qualname)
+
+
+def _classes(node: ast.AST, prefix: str) -> Iterator[tuple[str, ast.ClassDef]]:
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, (ast.stmt, ast.excepthandler)):
+            continue
+        if isinstance(child, ast.ClassDef):
+            yield prefix + child.name, child
+            yield from _classes(child, f"{prefix}{child.name}.")
+        elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield from _classes(child, f"{prefix}{child.name}.<locals>.")
+        else:
+            yield from _classes(child, prefix)
 
 
 def _host_constructor(node: ast.expr | None, cpu_name: Callable[[str], bool]) -> bool:

@@ -109,13 +109,32 @@ def frame_call_device(frame) -> str:
     return name_device(frame.f_code.co_filename, frame.f_code.co_firstlineno, said[5:])
 
 
+_TREES: dict[str, tuple[list, ast.Module | None]] = {}
+
+
+def source_tree(filename: str) -> ast.Module | None:
+    """``filename``'s source parsed, as :mod:`linecache` holds it now (None: no source, or not
+    Python). Parsed once per version of the file: linecache gives the same list of lines until
+    the file changes, and a rehearsal asks of one file for every name a step holds."""
+    linecache.checkcache(filename)
+    lines = linecache.getlines(filename)
+    kept = _TREES.get(filename)
+    if kept is not None and kept[0] is lines:
+        return kept[1]
+    try:
+        tree = ast.parse("".join(lines)) if lines else None
+    except (SyntaxError, ValueError):
+        tree = None
+    _TREES[filename] = (lines, tree)
+    return tree
+
+
 @functools.lru_cache(maxsize=1024)
 def name_device(filename: str, first_line: int, name: str) -> str:
     """"cpu" if ``name``'s last assignment in the function starting at ``first_line`` of
     ``filename`` (or, not assigned there, at the module's top level) names the CPU."""
-    try:
-        tree = ast.parse("".join(linecache.getlines(filename)))
-    except SyntaxError:
+    tree = source_tree(filename)
+    if tree is None:
         return "other"
     scope = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef,
                                                              ast.AsyncFunctionDef))
