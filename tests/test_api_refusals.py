@@ -16,6 +16,7 @@ from labkit.stages import Pipeline
 RUN = RunConfig(n_envs=4, n_steps=8)
 
 
+@pytest.mark.slow
 def test_a_closed_pipeline_says_so():
     with Pipeline("async_logging", RUN, torch.device("cpu")) as p:
         p.iteration()

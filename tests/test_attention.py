@@ -41,6 +41,7 @@ def _pair() -> tuple[AttentionBody, AttentionBody]:
     return fused, written
 
 
+@pytest.mark.slow
 def test_sdpa_agrees_with_the_formula_in_fp32_and_bf16_forward_and_backward():
     fused, written = _pair()
     obs = _obs(512)
@@ -94,6 +95,7 @@ def test_flops_formula_matches_torchs_count_of_the_forward():
         flops_per_sample(7, "mlp")
 
 
+@pytest.mark.slow
 def test_every_eager_stage_runs_it(tiny_run):
     cfg = tiny_run.replace(model="attention")
     for stage in STAGES:

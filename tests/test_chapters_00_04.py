@@ -72,6 +72,7 @@ def test_amdahl_bound_removes_the_free_phases_only():
         amdahl_sps({"update": 5.0}, 1000, free=("update",))
 
 
+@pytest.mark.slow
 def test_time_over_n_draws_iteration_ceiling_and_proportional_lines():
     import matplotlib
 

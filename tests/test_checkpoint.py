@@ -143,6 +143,7 @@ def _adam(payload: dict, key: str, value: float) -> None:
         entry[key] = torch.full_like(entry[key], value)
 
 
+@pytest.mark.slow
 def test_hostile_but_well_formed_saved_state_is_refused_at_the_door(tmp_path, monkeypatch,
                                                                     capsys):
     """Each edit behind a valid header and checksum: `train --resume` refuses it in one line

@@ -550,6 +550,7 @@ def test_plot_runs_plots_a_real_run_whose_first_iterations_ended_no_episode(fini
     assert code == 0 and out.exists(), err
 
 
+@pytest.mark.slow
 def test_a_trace_the_profiler_could_not_write_is_named(tmp_path, monkeypatch, capsys):
     """C-diskfull-profile: torch's trace export fails silently on a full disk (no file, or a
     cut one), and the error named a file labkit then failed to read. Now: the trace's path and

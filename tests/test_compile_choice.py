@@ -161,6 +161,7 @@ def test_the_warmup_decides_and_undoes_what_it_ran():
         assert torch.equal(pipe.agent.body[0].weight, fresh.agent.body[0].weight)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eager", "compiled"])
 def test_a_forced_choice_is_kept_without_timing(kind, monkeypatch):
     monkeypatch.setattr("labkit.executors.choose", lambda *a, **k: pytest.fail("timed"))
@@ -182,6 +183,7 @@ def test_stages_that_do_not_choose_say_what_runs_their_model_math():
         RunConfig(compile="yes")
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_the_choice_its_checkpoint_holds(tmp_path, monkeypatch):
     made = {"rollout": {"kept": "eager", "why": "timed", "phase": "policy",
                         "eager_ms": [1.0] * 5, "compiled_ms": [2.0] * 5},
@@ -237,6 +239,7 @@ def test_a_checkpoint_with_a_bad_choice_is_refused_naming_the_field(tmp_path):
         checkpoint.check(checkpoint.load(path), path)
 
 
+@pytest.mark.slow
 def test_the_cli_says_what_the_model_math_kept(tmp_path, capsys):
     """--compile forces the choice (nothing compiles: the compiled twin is never called), and
     the run's last line says what each part ran."""
@@ -251,6 +254,7 @@ def test_the_cli_says_what_the_model_math_kept(tmp_path, capsys):
     assert saved["executor_choices"]["update"] == {"kept": "eager", "why": "compile=eager"}
 
 
+@pytest.mark.slow
 def test_a_checkpoint_whose_choices_do_not_fit_the_stage_is_refused(tmp_path, monkeypatch):
     """Saved choices must name exactly the parts the stage chooses for; a timed one needs its
     timings (else the resume would time again, or fail in the middle)."""
@@ -339,6 +343,7 @@ def test_conv2d_is_kept_unless_matmul_is_faster_by_more_than_the_spread(conv2d, 
                            "9.0 matmul; medians of 5), update ")
 
 
+@pytest.mark.slow
 def test_stage_7_times_its_convolutions_and_each_part_runs_what_it_kept(monkeypatch):
     cfg = RunConfig(n_envs=8, n_steps=8, spec=SPEC, compile="eager")
     kept = {"rollout": "conv2d", "update": "matmul"}
@@ -403,6 +408,7 @@ def test_stages_that_do_not_choose_run_conv2d_and_bad_conv_math_is_refused():
         assert not pipe.math.chooses_conv_math  # its dense matrices would not fit
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_its_convolutions_and_a_bad_record_is_refused(tmp_path,
                                                                            monkeypatch):
     made = {"rollout": {"kept": "conv2d", "why": "timed", "phase": "policy",

@@ -37,6 +37,7 @@ def _measure(p: Pipeline, saved: dict) -> tuple[int, dict]:
     return meter.host_reads, op_counts(prof)
 
 
+@pytest.mark.slow
 def test_off_adds_no_host_read_and_no_kernel(pipe, monkeypatch):
     saved = pipe.state_dict()
     with debug.enable(False):
@@ -49,6 +50,7 @@ def test_off_adds_no_host_read_and_no_kernel(pipe, monkeypatch):
     assert "aten::isfinite" not in ops_off
 
 
+@pytest.mark.slow
 def test_on_costs_one_read_per_point_and_counts_steps(pipe):
     saved = pipe.state_dict()
     with debug.enable():
@@ -64,6 +66,7 @@ def test_on_costs_one_read_per_point_and_counts_steps(pipe):
     assert debug.steps() == {} and not debug.enabled()  # the context restored the setting
 
 
+@pytest.mark.slow
 def test_a_planted_nan_is_reported_at_its_first_step():
     stage = nan_observation("fused_amp", step=5)  # compiled policy and loss
     with Pipeline(stage, RUN, CPU) as p, debug.enable():
@@ -75,6 +78,7 @@ def test_a_planted_nan_is_reported_at_its_first_step():
     assert "observations is not finite at step 5" in str(err.value)
 
 
+@pytest.mark.slow
 def test_without_debug_the_nan_spreads_silently():
     with debug.enable(False), Pipeline(nan_observation("fused_amp", step=5), RUN, CPU) as p:
         p.iteration()
@@ -82,6 +86,7 @@ def test_without_debug_the_nan_spreads_silently():
     assert not torch.isfinite(params).all()
 
 
+@pytest.mark.slow
 def test_gradients_and_losses_are_checked_in_the_update():
     with Pipeline("fused_amp", RUN, CPU) as p, debug.enable():
         batch = p.rollout()

@@ -238,6 +238,7 @@ def test_amp_off_needs_cuda(reports):
         assert report.status == "skipped: needs CUDA" and report.findings == []
 
 
+@pytest.mark.slow  # builds and compiles stage 7
 def test_stage_7_runs_with_the_amp_off_precision_on_any_device():
     """The plant's precision is a Precision like every other (it was the string "fp32", which
     crashed the update on every GPU): stage 7 with it runs, here on the CPU."""
@@ -372,6 +373,7 @@ class _FailingForage(ForageTorch):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
 
 
+@pytest.mark.slow
 def test_an_error_in_the_stage_is_a_finding_not_a_traceback():
     stage = dataclasses.replace(get_stage("fused_amp"), name="failing", env=_FailingForage)
     report = diagnose(stage, cfg=RUN, device=CPU, baseline=False)

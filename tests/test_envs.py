@@ -110,6 +110,16 @@ def test_parity_16_envs_1000_steps() -> None:
     assert (stats["rewards"] == 1).sum() > 100 and (stats["rewards"] == -1).sum() > 100
 
 
+def test_parity_with_the_python_reference_across_resets() -> None:
+    """The fast tier's check of all four against the pure-Python reference: a few episodes of
+    8 envs (the longer and odder specs below are slow)."""
+    spec = ForageSpec(height=6, width=7, view=5, n_food=4, n_poison=3, episode_length=6)
+    stats = run_parity(make_envs(spec, 8, seed=11), 8, 20, action_seed=11)
+    assert stats["truncations"] == 8 * (20 // spec.episode_length)
+    assert (stats["rewards"] != 0).any()
+
+
+@pytest.mark.slow  # 1-4 s each
 @pytest.mark.parametrize("spec, seed", [
     (ForageSpec(height=7, width=9, view=5, episode_length=40), 1),
     (ForageSpec(height=15, width=13, view=9, n_walls=10, n_food=8), 2),
@@ -118,8 +128,7 @@ def test_parity_16_envs_1000_steps() -> None:
                 episode_length=20), 4),  # a full grid: one free cell to respawn on
     (ForageSpec(height=3, width=4, view=1, n_walls=0, n_food=1, n_poison=0,
                 episode_length=7), 5),
-    # every step ends an episode: 12 layout draws per step
-    pytest.param(ForageSpec(episode_length=1), 6, marks=pytest.mark.slow),
+    (ForageSpec(episode_length=1), 6),  # every step ends an episode: 12 layout draws per step
 ])
 def test_parity_other_specs(spec: ForageSpec, seed: int) -> None:
     run_parity(make_envs(spec, 16, seed), 16, 100, action_seed=seed)  # ForageTorchLoop is slow
@@ -195,10 +204,11 @@ def from_state(cls, spec: ForageSpec, state: dict, **kwargs):
     return env
 
 
-@pytest.mark.parametrize("spec", [ForageSpec(), ForageSpec(episode_length=5),
-                                  ForageSpec(height=5, width=5, view=3, n_walls=2, n_food=3,
-                                             n_poison=3, episode_length=11)],
-                         ids=["default", "short", "crowded"])
+@pytest.mark.parametrize("spec", [
+    pytest.param(ForageSpec(), id="default", marks=pytest.mark.slow),
+    pytest.param(ForageSpec(episode_length=5), id="short"),
+    pytest.param(ForageSpec(height=5, width=5, view=3, n_walls=2, n_food=3, n_poison=3,
+                            episode_length=11), id="crowded")])
 def test_parity_envs_at_different_steps(spec: ForageSpec) -> None:
     """ForageTorch builds each env's next layout during its episode: envs at different steps
     (loaded through load_state_dict) end their episodes at different steps, bit-exact with
@@ -353,6 +363,7 @@ def test_oracle_has_no_host_reads() -> None:
     assert meter.host_reads == 0
 
 
+@pytest.mark.slow
 def test_oracle_beats_random() -> None:
     # Measured (default spec, 256 envs x 4 episodes, seeds 0 and 1): oracle 25.9, random 0.5.
     # Here 64 envs x 1 episode; the margin of 15 leaves room for that smaller sample.
@@ -473,6 +484,7 @@ def test_observation_is_float32_whatever_the_default_dtype() -> None:
         torch.set_default_dtype(previous)
 
 
+@pytest.mark.slow
 def test_parity_on_a_grid_too_big_for_the_window_table() -> None:
     """Beyond 4M window-table entries the observation maps offsets on each call."""
     spec = ForageSpec(height=130, width=130, view=17, n_walls=400, episode_length=9)

@@ -41,6 +41,7 @@ def test_the_face_names_what_the_modules_define():
         labkit.Pipline  # noqa: B018
 
 
+@pytest.mark.slow
 def test_the_readme_quick_start_runs():
     with labkit.Pipeline("fused_amp", labkit.RunConfig(n_envs=8, n_steps=16)) as pipe:
         stats = pipe.iteration()

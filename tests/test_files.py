@@ -115,6 +115,7 @@ def test_a_deleted_or_replaced_lock_is_noticed(tmp_path):
     lock.release()
 
 
+@pytest.mark.slow
 def test_figures_and_results_replace_a_link_instead_of_writing_through_it(tmp_path):
     """In a results folder every file is written atomically: a link at a figure's or a JSON
     file's name is replaced by the file, and what it pointed to is untouched."""

@@ -108,6 +108,7 @@ def test_vector_info_has_the_layout_of_gymnasiums_own_vector_env(short_spec):
     assert np.stack(list(ref["final_obs"])).shape == mine["final_obs"].shape
 
 
+@pytest.mark.slow
 def test_a_cleanrl_style_loop_trains_on_it():
     path = Path(__file__).parents[1] / "examples" / "cleanrl_gymnasium.py"
     spec = importlib.util.spec_from_file_location("cleanrl_gymnasium", path)

@@ -124,6 +124,7 @@ def _spin_when_started(seconds: float, started) -> None:
     _spin(seconds)
 
 
+@pytest.mark.slow
 def test_a_planted_busy_neighbour_shows_as_run_queue_wait():
     """For real: as many spinning processes as this process may use cores make a spinning
     thread of ours wait for a CPU, beyond the verdict's bound. (A spawned process imports this

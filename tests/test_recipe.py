@@ -126,6 +126,7 @@ def test_cli_parses_into_args():
     assert args.n_iterations == 1000 // (4 * 32)
 
 
+@pytest.mark.slow
 def test_the_recipes_env_step_rehearses_as_a_capturable_step(cpu):
     """The built-ahead layout keeps the recipe's env step capturable (static shapes, no host
     read, state in place): labkit's rehearsal of a CUDA-graph capture on the CPU, over enough

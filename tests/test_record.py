@@ -302,7 +302,8 @@ def test_one_row_model_renders_text_and_markdown_alike():
     assert page.startswith("<div style='overflow-x:auto'>")
 
 
-@pytest.mark.parametrize("part", ["learning", "bench_env"])
+@pytest.mark.parametrize("part", [pytest.param("learning", marks=pytest.mark.slow),
+                                  "bench_env"])
 def test_a_signal_in_a_learning_or_bench_env_part_exits_128_plus_n(tmp_path, monkeypatch,
                                                                    capsys, part):
     """C-record-SIGTERM: a SIGTERM while the learning part trains its second stage keeps the

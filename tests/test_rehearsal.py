@@ -54,6 +54,7 @@ def stage_7():
     return _eager(EAGER)
 
 
+@pytest.mark.slow
 def test_stage_8_equals_stage_7_bit_for_bit(stage_7):
     """Three iterations; the captures happen inside the first rollout and the first update;
     every later step and minibatch is a replay."""
@@ -78,6 +79,7 @@ def test_stage_8_equals_stage_7_bit_for_bit(stage_7):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_replayed_rollout_and_update_read_nothing():
     with rehearsal(), Pipeline(GRAPHED, RUN, "cpu") as p:
         batch = p.rollout()  # the rollout step is captured here
@@ -89,6 +91,7 @@ def test_replayed_rollout_and_update_read_nothing():
     assert (rollout_meter.host_reads, update_meter.host_reads) == (0, 0)
 
 
+@pytest.mark.slow
 def test_warmup_restore_and_reset_with_graphs(stage_7):
     """warmup() captures both graphs inside its iteration and restores the state in place: the
     next iterations are stage 7's, the parameters keep their storage, and rewind() goes back."""
@@ -131,6 +134,7 @@ def test_train_stage_8_resumes_bit_exactly(tmp_path):
         assert torch.equal(x, y)
 
 
+@pytest.mark.slow
 def test_two_graphed_updates_follow_stage_7_with_the_lr_annealed():
     with torch.compiler.set_stance("force_eager"), Pipeline(STAGES[3], RUN, "cpu") as p:
         batch = p.rollout()
@@ -148,6 +152,7 @@ def test_two_graphed_updates_follow_stage_7_with_the_lr_annealed():
     assert all(torch.equal(a, b) for a, b in zip(params7, params8))
 
 
+@pytest.mark.slow
 def test_a_planted_host_read_fails_the_capture():
     with rehearsal(), Pipeline(plant(GRAPHED, "unfused_adam"), RUN, "cpu") as p:
         batch = p.rollout()
@@ -192,6 +197,7 @@ class _FloatLrAdam(FusedAdam):
     set_lr = staticmethod(Adam.set_lr)  # the component owns its LR: here a float
 
 
+@pytest.mark.slow
 def test_a_float_lr_is_frozen_in_the_graph():
     """A control that the updates are replays: annealing a float LR changes eager steps and not
     the captured ones, so the two runs part after the first iteration."""
@@ -202,6 +208,7 @@ def test_a_float_lr_is_frozen_in_the_graph():
     assert not _same(eager, graphed)
 
 
+@pytest.mark.slow
 def test_without_the_restore_after_warmup_the_stages_part(monkeypatch, stage_7):
     """Mutation: CapturedStep's warm-up calls really run; without the restore that follows
     them, stage 8 starts from a state three steps ahead and no longer equals stage 7."""
@@ -221,6 +228,7 @@ def test_without_the_restore_after_warmup_the_stages_part(monkeypatch, stage_7):
     assert not _same(stage_7, graphed)
 
 
+@pytest.mark.slow
 def test_without_the_generator_registration_replays_draw_the_same_numbers(monkeypatch,
                                                                          stage_7):
     """Mutation: a capture that does not register the sampling generator is a problem (a real
@@ -245,6 +253,7 @@ def test_without_the_generator_registration_replays_draw_the_same_numbers(monkey
 # ---------------------------------------------------------------- the recipe
 
 
+@pytest.mark.slow
 def test_the_recipes_graph_step_equals_the_recipe_run_eagerly():
     from tests.test_recipe import _configs, recipe
 
@@ -371,6 +380,7 @@ def test_stage_8_capturing_its_whole_update_equals_stage_7_bit_for_bit(stage_7):
     assert _same(stage_7, graphed)
 
 
+@pytest.mark.slow
 def test_stage_8_with_its_whole_rollout_step_fused_is_capturable():
     """compile_unit="step": the captured step holds the whole step past the noise as one
     region, episode statistics included; rehearsed, it is capturable and every rollout and
@@ -379,6 +389,7 @@ def test_stage_8_with_its_whole_rollout_step_fused_is_capturable():
     assert report.ok and report.equal and report.graphs == 2, report
 
 
+@pytest.mark.slow
 def test_the_planted_host_tensor_in_stage_8_is_found():
     """The GRPO report's bug (``torch.zeros(n)`` without ``device=`` in the metrics, planted as
     ``cpu_tensor``) runs on a CPU and raises on a GPU; the rehearsal finds it at its line."""
@@ -402,8 +413,8 @@ def test_rehearse_refuses_bad_input():
 
 @pytest.mark.parametrize("argv, code, needle", [
     ([], 0, "capturable; 2 graphs replayed"),
-    (["--plant", "unfused_adam"], 1, "[device_read]"),
-    (["--plant", "cpu_tensor"], 1, "[host_copy]"),
+    pytest.param(["--plant", "unfused_adam"], 1, "[device_read]", marks=pytest.mark.slow),
+    pytest.param(["--plant", "cpu_tensor"], 1, "[host_copy]", marks=pytest.mark.slow),
     (["--stage", "7"], 2, "has no CUDA graphs to rehearse"),
     (["--device", "cuda"], 2, "--device"),
     (["--plant", "warp"], 2, "plant must be one of"),

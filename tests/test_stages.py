@@ -576,9 +576,8 @@ def test_host_reads_in_the_rollout_step(pipelines):
 # ---------------------------------------------------------------- the harness
 
 
-@pytest.mark.parametrize("unit, rollout", [
-    ("model", {"policy", "env"}),
-    pytest.param("step", {"step"}, marks=pytest.mark.slow)])  # compiles the step: ~5 s
+@pytest.mark.slow  # compiles stage 6's policy (and, for "step", the whole step)
+@pytest.mark.parametrize("unit, rollout", [("model", {"policy", "env"}), ("step", {"step"})])
 def test_phases_and_ceiling_are_measured(unit, rollout):
     """The phases of a row and its compute ceiling (the model work alone: with the whole step
     compiled, the policy as the model unit runs it)."""
@@ -625,6 +624,7 @@ def test_a_row_and_the_ladder_say_why_a_precision_was_chosen(monkeypatch, cpu_bf
     assert said == [f"precision {rows[1]['precision']}: {rows[1]['precision_why']}"]
 
 
+@pytest.mark.slow
 def test_building_a_pipeline_leaves_the_readers_compiled_functions_alone():
     """No global dynamo reset: a function the reader compiled before stays compiled."""
     compiles = []

@@ -270,6 +270,7 @@ def test_on_a_gpu_run_a_cpu_tensor_is_a_host_read_by_construction():
     assert (m.host_reads, m.device_reads, m.host_scalar_reads) == (1, 0, 1)
 
 
+@pytest.mark.slow  # builds and compiles stages 6 and 7
 @pytest.mark.parametrize("foreach", [False, True])
 def test_stage_reads_split_as_on_a_gpu(foreach, tiny_run):
     """Stage 6 reads each Adam counter (host-scalar) and the metrics once (device); stage 7

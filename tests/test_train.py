@@ -140,6 +140,7 @@ def test_cli_resume_takes_no_config_flags(capsys, tmp_path):
     assert "--n-envs" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_trains_and_writes_metrics_checkpoint_and_summary(capsys, tmp_path):
     out = tmp_path / "run"
     rc = main(["train", "--stage", "batched_ops", "--device", "cpu", "--n-envs", "8",
@@ -166,6 +167,7 @@ def test_cli_trains_and_writes_metrics_checkpoint_and_summary(capsys, tmp_path):
     assert saved["state"]["global_step"] == 384
 
 
+@pytest.mark.slow
 def test_the_summary_counts_the_set_up_apart_from_training(monkeypatch, tmp_path):
     """What a session spends before its first iteration (building the pipeline; for a stage
     that chooses, compiling and timing its choices) is the summary's ``setup_s``, apart from
@@ -192,6 +194,7 @@ def test_the_summary_counts_the_set_up_apart_from_training(monkeypatch, tmp_path
     assert resumed["complete"] and 0.5 <= resumed["setup_s"] < time.perf_counter() - start
 
 
+@pytest.mark.slow
 def test_a_resume_told_to_stop_where_it_already_is_is_refused(tmp_path, capsys):
     """--stop-after at or before the checkpoint's iteration has nothing to train: one line and
     exit 2, the run untouched (it said the unfinished run "was complete" before)."""
@@ -215,9 +218,10 @@ def test_train_refuses_to_overwrite_a_run(reference_run):
 
 @pytest.mark.parametrize("overrides", [
     {},
-    dict(stage="batched_ops", value_head="popart"),
-    dict(stage="python_loop", total_steps=6 * 64, n_envs=4),
-    dict(stage="numpy_vec"),
+    pytest.param(dict(stage="batched_ops", value_head="popart"), marks=pytest.mark.slow),
+    pytest.param(dict(stage="python_loop", total_steps=6 * 64, n_envs=4),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(stage="numpy_vec"), marks=pytest.mark.slow),
 ])
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, reference_run, overrides):
     cfg = small_config(**overrides)
@@ -241,6 +245,7 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, reference_run
     assert untimed(read_metrics(split)) == untimed(read_metrics(one_go))
 
 
+@pytest.mark.slow
 def test_fused_optimizer_state_restores_in_place(cpu):
     """Stage 7's fused Adam keeps its LR as a device tensor that compiled code and graphs hold:
     restore must write into it, not replace it. (Compile is off here: a CPU compile takes a
@@ -307,6 +312,7 @@ def interrupt_at(monkeypatch, iteration: int) -> None:
     monkeypatch.setattr(Pipeline, "learn", learn_or_interrupt)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_the_last_finished_iteration_and_its_metrics(tmp_path, monkeypatch,
                                                                    reference_run):
     out = tmp_path / "run"

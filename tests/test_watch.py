@@ -65,6 +65,7 @@ def _loop(w, iterations=3, keep=None):
         w.step()
 
 
+@pytest.mark.slow
 def test_counts_per_iteration_at_the_readers_lines():
     with watch() as w:
         _loop(w, iterations=3)
@@ -78,6 +79,7 @@ def test_counts_per_iteration_at_the_readers_lines():
     assert "fix: chapter 07" in r.format() and json.loads(r.to_json())["iterations"] == 3
 
 
+@pytest.mark.slow
 def test_without_the_data_flow_its_own_op_count_sees_the_same_findings():
     """``watch(device="cuda")`` skips the sync meter's data flow (a CPU tensor is then a host
     tensor), so the op count runs as a dispatch mode of its own: same ops and findings."""
@@ -89,6 +91,7 @@ def test_without_the_data_flow_its_own_op_count_sees_the_same_findings():
         ("host_scalar_read", 1), ("no_device", 1)}
 
 
+@pytest.mark.slow
 def test_a_growing_container_is_named():
     history: list = []
     with watch() as w:
@@ -128,6 +131,7 @@ def test_one_dispatch_mode_sees_each_op_while_watching():
     assert len(modes) == 1 and not functions, (modes, functions)
 
 
+@pytest.mark.slow
 def test_nested_watches_are_refused_clearly_and_a_decorator_counts_each_call():
     with watch(), pytest.raises(RuntimeError, match="do not nest"), watch():
         pass
@@ -335,6 +339,7 @@ def test_cli_returns_the_scripts_code_after_the_report(tmp_path, capsys, body, c
     assert said is None or said in out + err, (out, err)
 
 
+@pytest.mark.slow
 def test_cli_runs_a_module_and_passes_its_arguments(tmp_path, capsys, monkeypatch):
     (tmp_path / "readers_loop.py").write_text(
         "import sys, torch\n"
