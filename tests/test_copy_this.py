@@ -174,7 +174,7 @@ def test_chapter_09s_capture_helper_captures_and_replays_in_a_rehearsal(tmp_path
     code, _ = snippet(ROOT / "notebooks" / "09_cuda_graphs.ipynb")
     scope: dict = {"__name__": "snippet"}
     exec(compile(code, "snippet.py", "exec"), scope)  # noqa: S102 - the chapter's own code
-    from labkit.doctor.standin import rehearsal
+    from labkit.doctor.rehearsal import rehearsal
 
     step, x, gen = scope["step"], scope["x"], scope["gen"]
     with rehearsal() as rehearsed:  # strict: a capture with any problem raises

@@ -7,10 +7,11 @@
   with; ``findings``: how the doctor judges what it measured; ``report``: its report;
 * ``plants``: the regressions the chapters plant on purpose, each from a real report;
 * ``watch``: ``labkit.watch``, the same kind of meters around any PyTorch code;
-* ``rehearsal``: a CUDA-graph capture rehearsed on the CPU (``labkit.rehearse``), with
-  ``standin`` (the ``torch.cuda`` stand-ins and the rehearsal context), ``origins`` (where a
-  step's tensors were made), ``frozen`` (what a capture freezes) and ``kernel_syncs`` (the
-  kernels that read the device from inside).
+* ``rehearsal``: a CUDA-graph capture rehearsed on the CPU (``labkit.rehearse``) in the
+  context of ``graphs_on_cpu``, with ``standin`` (the ``torch.cuda`` stand-ins), ``recorder``
+  (what a capture records, how a replay runs it), ``hostmade`` (which tensors are host
+  tensors), ``origins`` (where a step's tensors were made), ``frozen`` (what a capture
+  freezes) and ``kernel_syncs`` (the kernels that read the device from inside).
 """
 from __future__ import annotations
 

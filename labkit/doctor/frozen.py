@@ -18,8 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..measure.syncmeter import call_site, parse_site, source_lines
-from .kinds import KINDS, Finding
-from .standin import CAUSES, dense_storage, storage_key
+from .kinds import CAUSES, KINDS, Finding
+from .recorder import dense_storage, storage_key
 
 
 class Tracer(TorchDispatchMode):

@@ -149,3 +149,29 @@ class Finding:
         return f"[{self.kind}] {self.where}: {self.summary}"
 
     to_dict = asdict
+
+
+#: Why a finding of a kind (:data:`KINDS`) happened, where the kind has
+#: several causes; ``pageable`` is a host-to-device copy"s.
+CAUSES = {
+    "item": "reads a tensor's value on the host, as .item() does (a 0-d tensor used as an "
+            "index or a Python number is read so): a capture cannot wait for it; index with "
+            "index_select, gather or torch.where instead",
+    "mask": "a boolean mask as an index (x[mask], x[mask] = values) finds its True entries "
+            "with nonzero, whose count the host reads; use torch.where(mask, values, x) or "
+            "x.masked_fill_(mask, value) (a Python number, or a 0-d host scalar, as the value "
+            "takes that path)",
+    "host_random": "a number drawn from a host random generator (random, numpy.random) inside "
+                   "the capture is drawn once, at capture: every replay reuses it (draw on the "
+                   "device with a torch.Generator the graph registers)",
+    "scaler": "GradScaler.step(optimizer) reads found_inf on the host (.item()) before it steps "
+              "an optimizer that is not fused: a capture cannot wait for it (use a fused "
+              "optimizer, which takes the scale and found_inf on the device)",
+    "python_state": "the step changes Python state (eager calls move it on; a replay runs no "
+                    "Python, so it stays where the capture left it)",
+    "frozen_branch": "the capture ran other ops than the eager call before it (Python control "
+                     "flow that changes between calls): every replay repeats the capture's",
+    "pageable": "a host tensor copied to the device inside the capture: a copy from pageable "
+                "host memory, which a capture cannot record (copy it once, outside, into a "
+                "device tensor, and update that in place)",
+}

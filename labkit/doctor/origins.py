@@ -2,7 +2,7 @@
 
 A CPU rehearsal cannot tell a host tensor from a device tensor by looking at it: on the CPU
 every tensor is both. The capture's own tensors are followed as they are made
-(:mod:`labkit.doctor.standin`), but a step's state is made before: a CPU step counter in a
+(:mod:`labkit.doctor.hostmade`), but a step's state is made before: a CPU step counter in a
 closure (``t = torch.zeros((), device="cpu")``), a host buffer kept as a module's attribute
 (``self.host = torch.zeros(3)`` in ``__init__``). :func:`host_state` finds that state the way a
 reader would: for each tensor the step holds (its closure's variables, the attributes of the

@@ -5,10 +5,11 @@ Almost no machine that works on labkit has a GPU, yet stage 8's Python logic (st
 state updated in place, the tensor learning rate, the restore after warm-up, the registered
 generator) must not break unnoticed, and a reader's own step should be judged before it meets
 a GPU. :func:`rehearse` does what a careful reader does with ``torch.cuda.graph`` (warm-up
-calls, a capture, replays) inside :class:`~labkit.doctor.standin.rehearsal`, the CPU stand-in
-for ``torch.cuda``'s graph API (how it captures and replays is said there), and returns a
-:class:`Report`; :func:`rehearse_stage` and ``python -m labkit rehearse --stage NAME`` do it
-for a ladder stage, against the same stage without its graphs.
+calls, a capture, replays) inside :class:`~labkit.doctor.graphs_on_cpu.rehearsal`, the CPU
+stand-in for ``torch.cuda``'s graph API (how it captures and replays: there and in
+:mod:`labkit.doctor.recorder`), and returns a :class:`Report`; :func:`rehearse_stage` and
+``python -m labkit rehearse --stage NAME`` do it for a ladder stage, against the same stage
+without its graphs.
 
 What it checks, each problem with the line of your code that causes it: a host read (what
 ``labkit.measure.syncmeter`` counts); an op torch tags as data-dependent, of dynamic output
@@ -46,9 +47,11 @@ import torch
 
 from ..measure.syncmeter import short_path
 from .frozen import Tracer, frozen_values
-from .kinds import KINDS, Finding
+from .graphs_on_cpu import rehearsal
+from .kinds import CAUSES, KINDS, Finding
 from .origins import disabled_scalers, host_state, python_state
-from .standin import CAUSES, REHEARSED, CaptureError, profile_hook_free, rehearsal
+from .recorder import CaptureError
+from .standin import REHEARSED, profile_hook_free
 
 __all__ = ["REHEARSED", "CaptureError", "Finding", "Report", "StageReport", "rehearsal",
            "rehearse", "rehearse_stage"]
