@@ -27,6 +27,7 @@ COMPILE_CHOICES = ("auto", "compiled", "eager")
 CONV_MATH_CHOICES = ("auto", *CONV_MATHS)
 COMPILE_UNITS = ("model", "step")
 CAPTURE_UNITS = ("minibatch", "update")
+OBS_STORAGES = ("float32", "uint8")
 
 
 def default_profile(device: torch.device) -> str:
@@ -70,6 +71,11 @@ class RunConfig:
     (one graph for a minibatch step, replayed epochs x minibatches times, the permutation drawn
     and each minibatch gathered outside it), or update (one graph for the whole update: every
     epoch and minibatch, the permutations drawn and the minibatches gathered inside it)."""
+    obs_storage: str = "float32"
+    """The dtype the rollout stores its observations in: float32 (as the env returns them), or
+    uint8 (a quarter of the bytes; exact, since every observation entry is 0 or 1: the agent
+    reads them as float, ``Agent.forward``). What each stage computes is bit-identical either
+    way; the update reads a quarter of the observation bytes when it gathers its minibatches."""
     conv_math: str = "auto"
     """How the conv body runs its convolutions (``labkit.policy.ConvBody``): auto (the stages
     whose executors choose by timing, fused_amp, also time conv2d against matmul at warmup,
@@ -102,6 +108,9 @@ class RunConfig:
         if self.capture_unit not in CAPTURE_UNITS:
             raise ValueError(f"capture_unit must be one of {', '.join(CAPTURE_UNITS)}; got "
                              f"{self.capture_unit!r}")
+        if self.obs_storage not in OBS_STORAGES:
+            raise ValueError(f"obs_storage must be one of {', '.join(OBS_STORAGES)}; got "
+                             f"{self.obs_storage!r}")
         if self.conv_math not in CONV_MATH_CHOICES:
             raise ValueError(f"conv_math must be one of {', '.join(CONV_MATH_CHOICES)}; got "
                              f"{self.conv_math!r}")

@@ -44,20 +44,22 @@ class Rollout:
 
     @classmethod
     def zeros(cls, n_steps: int, n_envs: int, obs_shape: tuple[int, ...],
-              device: torch.device) -> Rollout:
+              device: torch.device, obs_dtype: torch.dtype = torch.float32) -> Rollout:
         def z(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.zeros((n_steps, n_envs, *shape), dtype=dtype, device=device)
-        return cls(obs=z(*obs_shape), actions=z(dtype=torch.int64), logprobs=z(), values=z(),
-                   rewards=z(), dones=z())
+        return cls(obs=z(*obs_shape, dtype=obs_dtype), actions=z(dtype=torch.int64),
+                   logprobs=z(), values=z(), rewards=z(), dones=z())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def write(self, t: torch.Tensor, **rows: torch.Tensor) -> None:
         """Write one (N, ...) row per field at step ``t``, a (1,) device tensor: no host read,
-        and the same kernels whatever ``t`` is (so a CUDA graph can replay them)."""
+        and the same kernels whatever ``t`` is (so a CUDA graph can replay them). A row is cast
+        to its field's dtype (observations stored as uint8, ``RunConfig.obs_storage``)."""
         for name, row in rows.items():
-            getattr(self, name).index_copy_(0, t, row.unsqueeze(0))
+            field = getattr(self, name)
+            field.index_copy_(0, t, row.unsqueeze(0).to(field.dtype))
 
 
 #: ``act(obs, generator=..., noise=...)``: (actions, log-probabilities, values), as
@@ -75,12 +77,13 @@ class Collector:
 
     def __init__(self, *, env, n_steps: int, act: ActFn, metrics, device: torch.device,
                  clock: PhaseClock | None = None,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None,
+                 obs_dtype: torch.dtype = torch.float32) -> None:
         self.env, self.n_envs, self.n_steps = env, env.n_envs, n_steps
         self.act, self.metrics, self.device = act, metrics, device
         self.generator = generator  # the sampling noise's
         self.clock = clock if clock is not None else PhaseClock(device)
-        self.storage = Rollout.zeros(n_steps, self.n_envs, env.spec.obs_shape, device)
+        self.storage = Rollout.zeros(n_steps, self.n_envs, env.spec.obs_shape, device, obs_dtype)
         self.t = torch.zeros(1, dtype=torch.int64, device=device)
         self.done = torch.zeros(self.n_envs, device=device)
         self.reward_mean = torch.zeros((), device=device)

@@ -429,7 +429,8 @@ class Pipeline:
         self.policy = self.agent if fused else executor.wrap_model(self.agent)
         self.collector = stage.collector(
             env=env, n_steps=self.cfg.n_steps, metrics=self.metrics, device=self.device,
-            clock=self.clock, act=partial(sample_action, self.policy), generator=self.generator)
+            clock=self.clock, act=partial(sample_action, self.policy), generator=self.generator,
+            obs_dtype=getattr(torch, self.cfg.obs_storage))
         math = self.collector.fuse(executor.wrap_model) if fused else self.policy
         self._step = executor.wrap_step(self.collector.step, state=self, generator=self.generator,
                                         after_replay=partial(self.clock.lap, "graph"))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next GPU stay's one command for issue 55 (the ladder climbs, the final stage fills the
-# GPU): measure where each stage's time goes before changing it. About 10 minutes on an H200;
+# GPU): measure where each stage's time goes before changing it. About 12 minutes on an H200;
 # each line under its own `timeout -s INT`, so a cut line keeps what it measured. Nothing else
 # runs beside a timed line. Dry-run it on the CPU first:
 #
@@ -22,6 +22,9 @@
 #   whole     stage 8 at the same N with its whole update captured as one graph
 #             (--capture-unit update: permutations and minibatch gathers inside it), 5 rounds
 #   update    bench-update at the 32,768-sample minibatch, with its floor
+#   obs       stage 8 at N=16,384 (the update most of an iteration), observations stored
+#             float32 then uint8 (--obs-storage, bit-identical results): what a quarter of
+#             the observation bytes saves the update; last, as a cut stay loses least here
 # The results and logs are packed into $OUT/gpu-diagnose.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,9 +36,10 @@ OUT=${OUT:-/tmp/labkit-gpu-out}
 R="$OUT/diagnose"
 mkdir -p "$R"
 if [ "${SMALL:-0}" = 1 ]; then  # the dry run: every line at a size a CPU does in seconds
-    SWEEP="64 128" ENV_N="256 1024" N=64 T=8 ITERS=2 MB=256 S=120
+    SWEEP="64 128" ENV_N="256 1024" N=64 T=8 ITERS=2 MB=256 S=120 BIG=128
 else
-    SWEEP="1024 4096 16384 65536" ENV_N="65536 262144" N=1024 T=128 ITERS=10 MB=32768 S=150
+    SWEEP="1024 4096 16384 65536" ENV_N="65536 262144" N=1024 T=128 ITERS=10 MB=32768 S=150 \
+        BIG=16384
 fi
 { nvidia-smi -L 2>/dev/null; python3 -c "import torch; print('torch', torch.__version__, \
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"; } > "$R/device.txt" 2>&1
@@ -65,5 +69,9 @@ step whole 120 $L --stages 8 --no-scaling --iterations 5 --n-envs "$N" \
     --capture-unit update --out "$R/ladder-whole"
 step update "$S" python3 -m labkit bench-update --device "$DEVICE" --sizes "$MB" --rounds 5 \
     --out "$R/update"
+for storage in float32 uint8; do
+    step "obs-$storage" 90 $L --stages 8 --no-scaling --iterations 5 --n-envs "$BIG" \
+        --obs-storage "$storage" --out "$R/ladder-obs-$storage"
+done
 tar czf "$OUT/gpu-diagnose.tar.gz" -C "$OUT" diagnose
 exit "$status"

@@ -381,6 +381,14 @@ def test_stage_8_capturing_its_whole_update_equals_stage_7_bit_for_bit(stage_7):
 
 
 @pytest.mark.slow
+def test_stage_8_storing_observations_as_uint8_is_capturable():
+    """obs_storage="uint8": the captured step casts each observation row as it stores it;
+    rehearsed, stage 8 is capturable and bit-identical to the same stage without graphs."""
+    report = rehearse_stage(GRAPHED, RUN.replace(obs_storage="uint8"), iterations=2)
+    assert report.ok and report.equal and report.graphs == 2, report
+
+
+@pytest.mark.slow
 def test_stage_8_with_its_whole_rollout_step_fused_is_capturable():
     """compile_unit="step": the captured step holds the whole step past the noise as one
     region, episode statistics included; rehearsed, it is capturable and every rollout and

@@ -352,6 +352,32 @@ def test_stages_collect_identical_rollouts():
     assert ref["rewards"].abs().sum() > 0  # food and poison were eaten: respawns ran
 
 
+@pytest.mark.parametrize("index", [pytest.param(0, marks=pytest.mark.slow),
+                                   pytest.param(1, marks=pytest.mark.slow), 3,
+                                   pytest.param(7, marks=pytest.mark.slow)])
+def test_observations_stored_as_uint8_change_nothing_a_stage_computes(index):
+    """``obs_storage="uint8"``: the rollout keeps its observations in a quarter of the bytes,
+    and, observations being 0 or 1, every stored value, statistic and parameter after two
+    iterations is what float32 storage gives, bit for bit (stage 7: compiled, and bf16 where
+    the CPU has it)."""
+    seen = {}
+    for storage in ("float32", "uint8"):
+        with Pipeline(STAGES[index], RUN.replace(obs_storage=storage), CPU) as p:
+            runs = []
+            for _ in range(2):
+                stats = p.learn(p.rollout())
+                obs = p.collector.storage.obs
+                runs.append((obs.float().clone(), {k: float(v) for k, v in stats.items()},
+                             [t.detach().clone() for t in p.agent.parameters()]))
+            assert obs.dtype == getattr(torch, storage)
+        seen[storage] = runs
+    for (obs_a, stats_a, params_a), (obs_b, stats_b, params_b) in zip(*seen.values()):
+        assert torch.equal(obs_a, obs_b) and stats_a == stats_b
+        assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+    with pytest.raises(ValueError, match="obs_storage must be one of float32, uint8; got 'int8'"):
+        RUN.replace(obs_storage="int8")
+
+
 @pytest.mark.parametrize("index, marks", [
     (4, {"policy", "env", "metrics"}),  # eager: compile_unit says nothing
     # (slow: each compiles the step, about 3 s)

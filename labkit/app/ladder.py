@@ -219,7 +219,8 @@ def cmd_ladder(args: argparse.Namespace) -> int:
                                    ("iterations", args.iterations), ("compile", args.compile),
                                    ("conv_math", args.conv_math),
                                    ("compile_unit", args.compile_unit),
-                                   ("capture_unit", args.capture_unit))
+                                   ("capture_unit", args.capture_unit),
+                                   ("obs_storage", args.obs_storage))
                  if v is not None}
     if args.scaling_n_envs:
         overrides["scaling_n_envs"] = tuple(args.scaling_n_envs)
@@ -262,6 +263,7 @@ def _add_ladder(sub) -> None:
         COMPILE_CHOICES,
         COMPILE_UNITS,
         CONV_MATH_CHOICES,
+        OBS_STORAGES,
         BenchConfig,
         RunConfig,
     )
@@ -274,6 +276,7 @@ def _add_ladder(sub) -> None:
     field_flag(p, RunConfig, "compile", str, choices=COMPILE_CHOICES)
     field_flag(p, RunConfig, "compile_unit", str, choices=COMPILE_UNITS)
     field_flag(p, RunConfig, "capture_unit", str, choices=CAPTURE_UNITS)
+    field_flag(p, RunConfig, "obs_storage", str, choices=OBS_STORAGES)
     field_flag(p, RunConfig, "conv_math", str, choices=CONV_MATH_CHOICES)
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads on the CPU (default: the cores no other "

@@ -27,7 +27,14 @@ import torch
 
 from .. import debug
 from ..capture import warmup
-from ..config import CAPTURE_UNITS, COMPILE_CHOICES, COMPILE_UNITS, CONV_MATH_CHOICES, RunConfig
+from ..config import (
+    CAPTURE_UNITS,
+    COMPILE_CHOICES,
+    COMPILE_UNITS,
+    CONV_MATH_CHOICES,
+    OBS_STORAGES,
+    RunConfig,
+)
 from ..distributed import SINGLE, Group, current, join, leave
 from ..policy import BODIES, VALUE_HEADS
 from ..signals import raise_if_stopped, signals_deferred, signum_of, stop_signals
@@ -240,7 +247,7 @@ def _run(run: Run, progress: bool, stop_after: int | None,
 
 
 TRAIN_OPTIONS = ("stage", "device", "n_envs", "n_steps", "total_steps", "seed", "value_head",
-                 "model", "compile", "compile_unit", "capture_unit", "conv_math",
+                 "model", "compile", "compile_unit", "capture_unit", "obs_storage", "conv_math",
                  "checkpoint_every")
 
 
@@ -302,6 +309,7 @@ def add_parser(sub) -> None:
     field_flag(p, RunConfig, "compile", str, choices=COMPILE_CHOICES)
     field_flag(p, RunConfig, "compile_unit", str, choices=COMPILE_UNITS)
     field_flag(p, RunConfig, "capture_unit", str, choices=CAPTURE_UNITS)
+    field_flag(p, RunConfig, "obs_storage", str, choices=OBS_STORAGES)
     field_flag(p, RunConfig, "conv_math", str, choices=CONV_MATH_CHOICES)
     field_flag(p, TrainConfig, "checkpoint_every", non_negative_int)
     p.add_argument("--out", type=path, default=None,
