@@ -12,6 +12,7 @@ import runpy
 import sys
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,21 +63,14 @@ def watch_script(target: str, args: list[str], *, module: bool = False,
     a child process the script forked. ``show`` prints a report: where the script ends with
     ``os._exit`` (no Python cleanup after it) it is called before the process ends. ValueError
     for a script that does not exist or a function name that is not a name."""
-    if function is not None and not all(part.isidentifier() for part in function.split(".")):
-        raise ValueError(f"--function must be a function name or Class.method, got "
-                         f"{function!r}")
-    if module:
-        _check_module(target)
-    elif Path(target).is_dir():
-        raise ValueError(f"script {target!r} is a folder, not a file (a package: -m NAME)")
-    elif not Path(target).is_file():
-        raise ValueError(f"script {target!r}: no such file")
-    w, hook = watch(), None
+    _check_target(target, module, function)
+    w = watch()
+    hook = _EachCall(w, function) if function is not None else None  # each call an iteration
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [target, *args]
     if not module:
         sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-    code, parent, forks, real_exit = 0, os.getpid(), len(_FORKS), os._exit
+    parent, forks, real_exit = os.getpid(), len(_FORKS), os._exit
     done: list[WatchReport] = []
 
     def finish() -> WatchReport:
@@ -97,18 +91,7 @@ def watch_script(target: str, args: list[str], *, module: bool = False,
             report.notes.insert(0, f"the script forked {len(_FORKS) - forks} process(es): "
                                    "only this one is watched")
         if hook is not None:
-            if removed:
-                report.notes.insert(0, f"--function {function}: the script replaced labkit's "
-                                       "profile hook (sys.setprofile), so calls after that "
-                                       f"were not watched ({len(hook.seen)} function(s) of "
-                                       "that name seen before)")
-            elif not hook.seen:
-                report.notes.insert(0, f"--function {function}: the script never called a "
-                                       "function of that name; nothing was watched")
-            elif len(hook.seen) > 1:
-                report.notes.insert(0, f"--function {function} matched {len(hook.seen)} "
-                                       "functions, each call of any one an iteration: "
-                                       + "; ".join(hook.seen.values()))
+            report.notes[:0] = _hook_notes(hook, function, removed)
         return report
 
     def hard_exit(status: int) -> None:
@@ -122,28 +105,62 @@ def watch_script(target: str, args: list[str], *, module: bool = False,
         real_exit(status)
 
     os._exit = hard_exit
+    code = _run(target, module, w.__enter__ if hook is None else partial(sys.setprofile, hook),
+                say)
+    report = finish()
+    return (report if os.getpid() == parent else None), code
+
+
+def _check_target(target: str, module: bool, function: str | None) -> None:
+    """ValueError, naming it, for a function name that is not a name or a script that is a
+    folder or missing (a module that cannot be found: :func:`_check_module`)."""
+    if function is not None and not all(part.isidentifier() for part in function.split(".")):
+        raise ValueError(f"--function must be a function name or Class.method, got "
+                         f"{function!r}")
+    if module:
+        _check_module(target)
+    elif Path(target).is_dir():
+        raise ValueError(f"script {target!r} is a folder, not a file (a package: -m NAME)")
+    elif not Path(target).is_file():
+        raise ValueError(f"script {target!r}: no such file")
+
+
+def _run(target: str, module: bool, start: Callable[[], None], say) -> int:
+    """``start`` the watch, then run the script as ``__main__``; its exit code: its own exit's,
+    130 for Ctrl-C, 1 for an error (printed as Python would)."""
     try:
-        if function is None:
-            w.__enter__()
-        else:
-            hook = _EachCall(w, function)
-            sys.setprofile(hook)
+        start()
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(target, run_name="__main__")
     except SystemExit as stop:  # the script's own exit: its code
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         if not isinstance(stop.code, (int, type(None))):
             say(str(stop.code), file=sys.stderr)
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     except KeyboardInterrupt:
         say("\nthe script was interrupted; the report covers what ran", file=sys.stderr)
-        code = 130
+        return 130
     except Exception:  # noqa: BLE001 - the script's error, printed as Python would
         traceback.print_exc()
-        code = 1
-    report = finish()
-    return (report if os.getpid() == parent else None), code
+        return 1
+    return 0
+
+
+def _hook_notes(hook: _EachCall, function: str, removed: bool) -> list[str]:
+    """What a ``--function`` watch says of its hook: replaced by the script, never called, or
+    matching several functions."""
+    if removed:
+        return [f"--function {function}: the script replaced labkit's profile hook "
+                "(sys.setprofile), so calls after that were not watched "
+                f"({len(hook.seen)} function(s) of that name seen before)"]
+    if not hook.seen:
+        return [f"--function {function}: the script never called a function of that name; "
+                "nothing was watched"]
+    if len(hook.seen) > 1:
+        return [f"--function {function} matched {len(hook.seen)} functions, each call of any "
+                "one an iteration: " + "; ".join(hook.seen.values())]
+    return []
 
 
 #: One entry per fork of this process (os.register_at_fork): a watched script that forks is

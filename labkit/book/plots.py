@@ -307,6 +307,38 @@ _TRACE_COLOURS = {"cpu_op": "C7", "user_annotation": "C8", "cuda_runtime": "C6",
                   "kernel": "C9", "gpu_memcpy": "tab:brown", "gpu_memset": "tab:brown"}
 
 
+def _timeline(events: list[dict]) -> tuple[list, dict, list, list]:
+    """A trace's top-level events laid out: the threads in row order (the CPU's, then the GPU
+    streams), their names, a box (ms, ms, event) per event and a span (phase, ms, ms) per
+    labkit phase, in milliseconds from the first phase's start (or the first event's)."""
+    from ..measure.profiling import phase_spans, top_level
+
+    outer, phases = top_level(events), phase_spans(events)
+    t0 = phases[0][1] if phases else min(float(e["ts"]) for e in outer)
+    names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpu = {(e.get("pid"), e.get("tid")) for e in outer
+           if str(e.get("cat", "")).startswith(("kernel", "gpu_"))}
+    threads = sorted({(e.get("pid"), e.get("tid")) for e in outer},
+                     key=lambda t: (t in gpu, str(t)))
+    boxes = [((float(e["ts"]) - t0) / 1e3, float(e.get("dur", 0.0)) / 1e3, e) for e in outer]
+    spans = [(p, (s - t0) / 1e3, (end - s) / 1e3) for p, s, end in phases]
+    return threads, names, boxes, spans
+
+
+def _timeline_legend(ax, shown_phases: list[str]) -> dict:
+    """One legend entry per event category drawn, then one per phase shown."""
+    from matplotlib.patches import Patch
+
+    from ..timing import PHASES
+
+    legend = dict(zip(*reversed(ax.get_legend_handles_labels())))
+    for key, phase in enumerate(PHASES):
+        if phase in shown_phases:
+            legend[f"phase: {phase}"] = Patch(color=f"C{key}")
+    return legend
+
+
 def trace_timeline(trace, ax=None, window: tuple[float, float] | None = None,
                    title: str | None = None):
     """A Chrome trace (its path, or its events from ``profiling.read_trace``) as a timeline,
@@ -315,23 +347,13 @@ def trace_timeline(trace, ax=None, window: tuple[float, float] | None = None,
     named where it is wide enough, and a row of labkit's phases (``phase: <name>``) on top.
     Milliseconds from the first phase's start (or the first event's); ``window`` (ms, ms)
     zooms in."""
-    from matplotlib.patches import Patch
-
-    from ..measure.profiling import phase_spans, read_trace, top_level
+    from ..measure.profiling import read_trace
     from ..timing import PHASES
 
     plt = _plt()
     events = read_trace(trace) if isinstance(trace, (str, Path)) else trace
-    outer, phases = top_level(events), phase_spans(events)
-    t0 = phases[0][1] if phases else min(float(e["ts"]) for e in outer)
-    names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    gpu = {(e.get("pid"), e.get("tid")) for e in outer
-           if str(e.get("cat", "")).startswith(("kernel", "gpu_"))}
-    threads = sorted({(e.get("pid"), e.get("tid")) for e in outer},
-                     key=lambda t: (t in gpu, str(t)))  # the CPU's threads, then the streams
-    boxes = [((float(e["ts"]) - t0) / 1e3, float(e.get("dur", 0.0)) / 1e3, e) for e in outer]
-    spans = [(p, (s - t0) / 1e3, (end - s) / 1e3) for p, s, end in phases]
+    threads, names, boxes, spans = _timeline(events)
+    phases = bool(spans)
     lo, hi = window or (min(x for x, _, _ in boxes), max(x + w for x, w, _ in boxes))
     width = hi - lo
 
@@ -367,10 +389,7 @@ def trace_timeline(trace, ax=None, window: tuple[float, float] | None = None,
                            linewidth=0.3, label=cat)
         for x, w, e in mine:
             label(x, w, row, str(e.get("name", "")))
-    legend = dict(zip(*reversed(ax.get_legend_handles_labels())))  # one entry per category
-    for key, phase in enumerate(PHASES):
-        if any(p == phase and shown(x, w) for p, x, w in spans):
-            legend[f"phase: {phase}"] = Patch(color=f"C{key}")
+    legend = _timeline_legend(ax, [p for p, x, w in spans if shown(x, w)])
     ax.legend(legend.values(), legend.keys(), fontsize=7, loc="upper left",
               bbox_to_anchor=(1.0, 1.0))
     ax.set_yticks(range(len(rows)), [textwrap.shorten(r, 28, placeholder="…") for r in rows])

@@ -118,12 +118,7 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
     """
     from ..capture import clone_state
 
-    if isinstance(replays, bool) or not isinstance(replays, int) or replays < 0:
-        raise ValueError(f"replays must be an int >= 0, got {replays!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-        raise ValueError(f"warmup must be an int >= 1, got {warmup!r}")
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    _check_arguments(fn, replays, warmup)
     report = Report()
     site = f"{getattr(fn, '__qualname__', repr(fn))}"
     with rehearsal(strict=False) as r:
@@ -132,17 +127,8 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
                 r.host[tensor] = made
         r.disabled_scalers |= {id(scaler) for scaler in disabled_scalers(fn)}
         static = clone_state(args)
-        traces, python = [], []
         try:
-            for i in range(warmup):  # the reader's code, eagerly
-                if i < warmup - 2:
-                    warm = fn(*static)
-                    continue
-                before = python_state(fn)
-                with Tracer(sites=True) as tracer, _drawing(fn) as drawn:  # the last two,
-                    warm = fn(*static)                                 # to compare
-                traces.append(tracer)
-                python.append(_changed(before, python_state(fn)))
+            warm, traces, python, drawn = _warm_up(fn, static, warmup)
         except Exception as err:  # noqa: BLE001 - on the CPU, before any capture: said once
             report.problems = [Finding("unsupported", site, (
                 f"{KINDS['unsupported'].means}: the step raised in an eager warm-up call on the "
@@ -158,12 +144,8 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
             at_capture = _changed(before, python_state(fn))
             report.problems = list(r.problems)
             report.problems += _output_problems(warm, out, captured, returned[-1:] or [site])
-            if not report.problems and warmup > 1:  # what the capture froze (the first call
-                report.problems = (frozen_values(traces[-1], captured) or  # may set state up)
-                                   (frozen_values(traces[0], traces[-1])
-                                    if len(traces) == 2 else []) or
-                                   _python_frozen({k: v for k, v in python[-1].items()
-                                                   if k in at_capture}, fn, drawn))
+            if not report.problems and warmup > 1:  # the first call may set state up
+                report.problems = _frozen(fn, traces, captured, python[-1], at_capture, drawn)
             if report.ok:
                 for _ in range(replays):
                     graph.replay()
@@ -174,6 +156,42 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
                 f"{KINDS['unsupported'].means}: {_said(err)}"))]
             report.replays = 0
     return report
+
+
+def _check_arguments(fn: Any, replays: Any, warmup: Any) -> None:
+    if isinstance(replays, bool) or not isinstance(replays, int) or replays < 0:
+        raise ValueError(f"replays must be an int >= 0, got {replays!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise ValueError(f"warmup must be an int >= 1, got {warmup!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+
+
+def _warm_up(fn: Callable[..., Any], static: Any, warmup: int) -> tuple[Any, list, list, Any]:
+    """``warmup`` calls of the reader's code, eagerly, the last two traced op by op to compare:
+    (the last call's output, the traces, the Python state each traced call changed, the host
+    random draws of the last)."""
+    traces, python = [], []
+    for i in range(warmup):
+        if i < warmup - 2:
+            warm = fn(*static)
+            continue
+        before = python_state(fn)
+        with Tracer(sites=True) as tracer, _drawing(fn) as drawn:
+            warm = fn(*static)
+        traces.append(tracer)
+        python.append(_changed(before, python_state(fn)))
+    return warm, traces, python, drawn
+
+
+def _frozen(fn: Callable[..., Any], traces: list, captured: Tracer, changed: dict,
+            at_capture: dict, drawn: Any) -> list[Finding]:
+    """What the capture froze: the ops it ran against the last warm-up call's, else the two
+    warm-up calls' against each other, else the Python state the last one changed that the
+    capture changed too."""
+    return (frozen_values(traces[-1], captured)
+            or (frozen_values(traces[0], traces[-1]) if len(traces) == 2 else [])
+            or _python_frozen({k: v for k, v in changed.items() if k in at_capture}, fn, drawn))
 
 
 def _said(err: BaseException) -> str:
