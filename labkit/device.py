@@ -170,6 +170,23 @@ def git_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
+def commits_since(commit: str | None) -> int | None:
+    """How many commits this checkout's HEAD is past ``commit`` (a recorded result's, ``-dirty``
+    or not), or None where git cannot say: no git or no history here (a tree copied to a GPU
+    machine), or a commit this history does not hold."""
+    commit = (commit or "").split("-")[0]
+    if not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+        return None
+    try:
+        out = subprocess.run(["git", "rev-list", "--count", f"{commit}..HEAD"],
+                             capture_output=True, text=True, timeout=5,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    count = out.stdout.strip()
+    return int(count) if out.returncode == 0 and count.isdigit() else None
+
+
 def git_commit_source() -> str:
     """Where :func:`git_commit` got the commit, for the metadata: ``git``, or the variable, in
     which case nothing checked that the tree is that commit, unmodified."""

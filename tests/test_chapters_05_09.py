@@ -27,14 +27,50 @@ def test_recorded_gpu_says_so_when_there_is_none(tmp_path):
 def test_recorded_gpu_prints_the_device_and_the_named_stages(tmp_path):
     (tmp_path / "ladder_cuda_full.json").write_text(json.dumps(_ladder("cuda", "NVIDIA H100")))
     lines = recorded_gpu(["fused_amp", "cuda_graphs"], str(tmp_path)).splitlines()
-    assert lines[0].startswith("ladder_cuda_full.json: NVIDIA H100, torch 2.13")
-    # recorded before the device / host-scalar split: a dash, never 0 or an error
-    assert lines[1].split() == ["7", "fused_amp", "N=1024", "T=128:", "123,456", "env",
-                                "steps/s,", "\u2014", "device", "reads", "(syncs)", "and",
-                                "\u2014", "host-scalar", "reads", "per", "iteration,", "bf16;",
-                                "ms", "per", "iteration:", "policy", "1.5,", "update", "2.2"]
-    assert lines[2].split() == ["8", "cuda_graphs", "skipped:", "needs", "CUDA"]
-    assert len(recorded_gpu(["gpu_metrics"], tmp_path).splitlines()) == 1
+    assert lines[0] == "ladder_cuda_full.json: NVIDIA H100, torch 2.13, 2026-01-01"
+    assert lines[1] == "  commit abc, commits behind HEAD unknown (no git history here)"
+    # recorded before the device / host-scalar split and without a spread: a dash, never 0 or
+    # an error, and the median as its own range
+    assert lines[2:5] == [
+        "  7 fused_amp       N=1024 T=128, bf16: 123,456 env steps/s (123,456-123,456)",
+        "      \u2014 device reads (syncs) and \u2014 host-scalar reads per iteration",
+        "      ms per iteration: policy 1.5, update 2.2"]
+    assert lines[5].split() == ["8", "cuda_graphs", "skipped:", "needs", "CUDA"]
+    assert len(recorded_gpu(["gpu_metrics"], tmp_path).splitlines()) == 2
+
+
+def test_recorded_gpu_rows_carry_spread_noise_age_and_the_chapters_verdict(tmp_path):
+    """Two stages at the same N and T: each row's range and noise flag, the file's age in
+    commits, and what ``versus`` (the chapters' rule) says of the pair: here ranges that
+    overlap, so no winner is named; apart, the faster one is."""
+    from labkit.device import git_commit
+
+    data = _ladder("cuda", "NVIDIA H200")
+    data["meta"]["git_commit"] = git_commit()  # this checkout's HEAD: 0 commits behind
+    slow = {**data["ladder"][0], "stage": 6, "name": "gpu_metrics", "sps": 100_000.0,
+            "iteration_s": 1.31, "iteration_s_samples": [1.2, 1.31, 1.4],
+            "sps_spread": [93_623, 100_000, 109_227],
+            "noisy": True, "noise": ["marked and plain iterations +29% apart (> 25%)"]}
+    fast = {**data["ladder"][0], "iteration_s": 1.1,
+            "iteration_s_samples": [1.0, 1.1, 1.25],
+            "sps_spread": [104_858, 119_156, 131_072], "sps": 119_156.0}
+    data["ladder"] = [slow, fast]
+    (tmp_path / "ladder_cuda_full.json").write_text(json.dumps(data))
+    text = recorded_gpu(["gpu_metrics", "fused_amp"], tmp_path)
+    lines = text.splitlines()
+    if git_commit() != "unknown":
+        assert lines[1].endswith(", 0 commits behind HEAD")
+    assert "(93,623-109,227)" in lines[2] and lines[3] == (
+        "      NOISY: marked and plain iterations +29% apart (> 25%)")
+    verdict = " ".join(line.strip() for line in lines if line.strip().startswith("=>")
+                       or line.startswith("     ") and not line.startswith("      "))
+    assert verdict.startswith("=> fused_amp ran at 1.19x gpu_metrics's median") and (
+        "overlap" in verdict and "cannot resolve" in verdict)
+    assert max(len(line) for line in lines) <= 96
+    fast["iteration_s_samples"] = [0.8, 0.85, 0.9]
+    (tmp_path / "ladder_cuda_full.json").write_text(json.dumps(data))
+    assert "every timed iteration of fused_amp was faster than every one of gpu_metrics" in \
+        " ".join(recorded_gpu(["gpu_metrics", "fused_amp"], tmp_path).split())
 
 
 def test_break_even_is_the_size_from_which_the_candidate_always_wins():

@@ -217,11 +217,17 @@ def check(claim: str, value: bool | dict) -> None:
 
 def recorded_gpu(names: list[str], results: str = "results") -> str:
     """What the recorded GPU ladders in ``results`` (``*.json`` written by ``python -m labkit
-    ladder`` on CUDA) say about the stages ``names``, each with its device name; or "No GPU run
-    recorded yet" when there is none. A chapter prints this instead of quoting numbers."""
+    ladder`` on CUDA) say about the stages ``names``, each file with its device, torch, commit
+    and how many commits behind this checkout's HEAD it was recorded, each row with its median
+    env steps/s, the spread of its timed iterations and the harness's noise flag; for two stages
+    recorded at the same N and T, what the chapters' own rule (:func:`labkit.book.claims.versus`)
+    says of them. "No GPU run recorded yet" when there is none. A chapter prints this instead of
+    quoting numbers."""
     from pathlib import Path
 
+    from ..device import commits_since
     from ..files import read_json
+    from .claims import versus
 
     lines = []
     for path in sorted(Path(results).glob("*.json")):
@@ -232,8 +238,12 @@ def recorded_gpu(names: list[str], results: str = "results") -> str:
         meta = data.get("meta", {}) if isinstance(data, dict) else {}
         if meta.get("device") != "cuda" or "ladder" not in data:
             continue
-        lines.append(f"{path.name}: {meta.get('device_name', '?')}, torch {meta.get('torch')}, "
-                     f"commit {meta.get('git_commit')}, {meta.get('date')}")
+        behind = commits_since(meta.get("git_commit"))
+        age = ("commits behind HEAD unknown (no git history here)" if behind is None else
+               f"{behind} commit{'s' if behind != 1 else ''} behind HEAD")
+        lines += [f"{path.name}: {meta.get('device_name', '?')}, torch {meta.get('torch')}, "
+                  f"{meta.get('date')}", f"  commit {meta.get('git_commit')}, {age}"]
+        shown = {}
         for i, row in enumerate(data["ladder"] if isinstance(data["ladder"], list) else [None]):
             if not isinstance(row, dict):
                 raise ValueError(f"recorded_gpu: {path}: ladder row {i} is not a ladder row (a "
@@ -243,14 +253,30 @@ def recorded_gpu(names: list[str], results: str = "results") -> str:
             if row.get("status") != "ok":
                 lines.append(f"  {row['stage']} {row['name']:<15} {row.get('status')}")
                 continue
-            phases = ", ".join(f"{k} {v:.1f}" for k, v in row.get("phase_ms", {}).items())
-            lines.append(f"  {row['stage']} {row['name']:<15} N={row['n_envs']} "
-                         f"T={row['n_steps']}: {row['sps']:,.0f} env steps/s, "
-                         f"{figure(row, 'device_reads_per_iter')} device reads (syncs) and "
-                         f"{figure(row, 'host_scalar_reads_per_iter')} host-scalar reads per "
-                         "iteration, "
-                         f"{row.get('precision')}; ms per iteration: {phases}")
+            shown[row["name"]] = row
+            lines += _gpu_row(row)
+        if len(names) == 2 and all(n in shown for n in names):
+            a, b = (shown[n] for n in names)
+            if (a["n_envs"], a["n_steps"]) == (b["n_envs"], b["n_steps"]):
+                lines += textwrap.wrap(versus(a, b, tuple(names)), 96, initial_indent="  => ",
+                                       subsequent_indent="     ")
     return "\n".join(lines) if lines else "No GPU run recorded yet"
+
+
+def _gpu_row(row: dict) -> list[str]:
+    """A recorded ladder row in short lines: its median env steps/s with the range of its timed
+    iterations, the harness's noise flag and its reasons where it is set, its reads, its
+    phases."""
+    spread = row.get("sps_spread") or [row["sps"]] * 3
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in row.get("phase_ms", {}).items())
+    noise = "; ".join(str(reason) for reason in row.get("noise") or []) or "flagged"
+    return [f"  {row['stage']} {row['name']:<15} N={row['n_envs']} T={row['n_steps']}, "
+            f"{row.get('precision')}: {row['sps']:,.0f} env steps/s "
+            f"({spread[0]:,.0f}-{spread[-1]:,.0f})",
+            *([f"      NOISY: {noise}"] if row.get("noisy") else []),
+            f"      {figure(row, 'device_reads_per_iter')} device reads (syncs) and "
+            f"{figure(row, 'host_scalar_reads_per_iter')} host-scalar reads per iteration",
+            f"      ms per iteration: {phases}"]
 
 
 def reads_by_line(sites: Counter | dict) -> Counter:
