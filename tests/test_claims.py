@@ -1,6 +1,6 @@
 """The chapters' generated sentences follow their data: feed a record in which the order
 flips and the sentence flips with it."""
-from labkit.book.claims import compare_stages, first_to_reach, update_share
+from labkit.book.claims import compare_stages, first_to_reach, ranked, update_share
 
 
 def _row(stage, name, sps, **phases):
@@ -79,3 +79,21 @@ def test_a_record_made_before_the_read_split_shows_dashes_and_says_so(tmp_path):
     text = results_markdown(tmp_path)
     assert "| 2342 |" not in text and "| \u2014 | \u2014 |" in text
     assert ladder_summary(result)[-1].startswith("This record predates the split")
+
+
+def test_ranked_names_only_the_stages_every_timed_iteration_separates():
+    """A median alone would call stage 1 faster than 3 and 4 here; their timed iterations
+    overlap stage 1's, so only 2 (slower throughout) and 5 (faster throughout) are named."""
+    def row(stage, seconds):
+        return {"stage": stage, "n_envs": 32, "n_steps": 64, "iteration_s_samples": seconds}
+
+    one = row(1, [0.20, 0.21, 0.23])
+    others = [row(2, [0.30, 0.33, 0.35]), row(3, [0.19, 0.22, 0.24]), row(4, [0.22, 0.23, 0.26]),
+              row(5, [0.10, 0.12, 0.15])]
+    assert ranked(one, others) == (
+        "stage 1 is faster than stage(s) 2 and slower than stage(s) 5 beyond this run's spread; "
+        "within the spread of stage(s) 3, 4: the run cannot tell them apart")
+    assert ranked(one, others[1:3]) == (
+        "stage 1 is apart from no stage beyond this run's spread; within the spread of "
+        "stage(s) 3, 4: the run cannot tell them apart")
+

@@ -133,6 +133,8 @@ def test_unfused_adam_is_found_by_its_launches_not_by_its_counter_reads(reports)
     assert f.evidence["optimizer"] == "per-parameter Adam, foreach=False"
     assert f.evidence["steps_per_update"] == minibatch_steps
     assert f.summary.startswith(f"{mine:g} kernel launches per optimizer step vs {clean:g}")
+    by_op = [part.rsplit(" ", 1) for part in f.evidence["launches_by_op"].split(", ")]
+    assert sum(float(n) for _, n in by_op) == mine  # the ops named add up: none left out
     assert f.cost["share"] is None and f.cost["ms_per_iteration"] is None
     assert f.cost["extra_launches_per_update"] == (mine - clean) * minibatch_steps
     assert f.chapter == "08_fused_optimizers_and_amp"

@@ -174,6 +174,22 @@ def versus(before: dict, after: dict, names: tuple[str, str] | None = None) -> s
             f"({b_sps:,.0f} vs {a_sps:,.0f}); {verdict}")
 
 
+def ranked(row: dict, others: list[dict]) -> str:
+    """Where ``row`` stands against each of ``others`` (rows of one run, at its N and T) by the
+    rule of :func:`versus`: faster or slower where every timed iteration says so, otherwise
+    within the run's spread."""
+    mine = _span(_iterations(row))
+    sides: dict[int, list[str]] = {-1: [], 0: [], 1: []}
+    for other in others:
+        sides[_apart(_span(_iterations(other)), mine)].append(str(other["stage"]))
+    said = [f"faster than stage(s) {', '.join(sides[1])}" if sides[1] else "",
+            f"slower than stage(s) {', '.join(sides[-1])}" if sides[-1] else ""]
+    said = [s for s in said if s] or ["apart from no stage"]
+    tied = (f"; within the spread of stage(s) {', '.join(sides[0])}: the run cannot tell them "
+            "apart") if sides[0] else ""
+    return f"stage {row['stage']} is {' and '.join(said)} beyond this run's spread{tied}"
+
+
 def phase_moved(before: dict, after: dict, phase: str) -> str:
     """How one phase moved from ``before`` to ``after`` (medians of the phase-marked iterations)
     and whether the two rows' marked iterations tell it apart."""

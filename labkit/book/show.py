@@ -265,8 +265,8 @@ def recorded_gpu(names: list[str], results: str = "results") -> str:
 
 def _gpu_row(row: dict) -> list[str]:
     """A recorded ladder row in short lines: its median env steps/s with the range of its timed
-    iterations, the harness's noise flag and its reasons where it is set, its reads, its
-    phases."""
+    iterations, the harness's noise flag and its reasons where it is set, its reads (and every
+    CUDA sync, where the row counted them), its phases."""
     spread = row.get("sps_spread") or [row["sps"]] * 3
     phases = ", ".join(f"{k} {v:.1f}" for k, v in row.get("phase_ms", {}).items())
     noise = "; ".join(str(reason) for reason in row.get("noise") or []) or "flagged"
@@ -276,6 +276,8 @@ def _gpu_row(row: dict) -> list[str]:
             *([f"      NOISY: {noise}"] if row.get("noisy") else []),
             f"      {figure(row, 'device_reads_per_iter')} device reads (syncs) and "
             f"{figure(row, 'host_scalar_reads_per_iter')} host-scalar reads per iteration",
+            *([f"      {row['cuda_syncs_per_iter']:,} CUDA syncs per iteration in all (pageable "
+               "copies included)"] if row.get("cuda_syncs_per_iter") is not None else []),
             f"      ms per iteration: {phases}"]
 
 

@@ -395,7 +395,10 @@ def launch_findings(watch: tuple[dict, dict], base: tuple[dict, dict], parts: Pa
         return []
     a, b = round(a, 2), round(b, 2)
     chapter, fix = parts.fix("optimizer")
-    top = ", ".join(f"{op} {n / steps:g}" for op, n in mine["launch"].most_common(6))
+    shown = mine["launch"].most_common(6)
+    rest = sum(mine["launch"].values()) - sum(n for _, n in shown)  # named, so the parts sum
+    top = ", ".join([f"{op} {n / steps:g}" for op, n in shown]
+                    + ([f"other ops {rest / steps:g}"] if rest else []))
     sites = [{"site": site, "per_step": 0, "per_update": n}
              for site, n in mine["optimizer_step"].most_common()]
     return [Finding(
