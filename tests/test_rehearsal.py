@@ -420,7 +420,7 @@ def test_rehearse_refuses_bad_input():
 
 
 @pytest.mark.parametrize("argv, code, needle", [
-    ([], 0, "capturable; 2 graphs replayed"),
+    pytest.param([], 0, "capturable; 2 graphs replayed", marks=pytest.mark.slow),  # stage 8
     pytest.param(["--plant", "unfused_adam"], 1, "[device_read]", marks=pytest.mark.slow),
     pytest.param(["--plant", "cpu_tensor"], 1, "[host_copy]", marks=pytest.mark.slow),
     (["--stage", "7"], 2, "has no CUDA graphs to rehearse"),

@@ -469,7 +469,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.inductor
 @pytest.mark.parametrize("index, device", [
-    (0, "cpu"), (1, "cpu"), (3, "cpu"),
+    pytest.param(0, "cpu", marks=pytest.mark.slow),  # stage 0's per-env loop: ~1 s
+    (1, "cpu"), (3, "cpu"),
     pytest.param(5, "cpu", marks=pytest.mark.slow),  # inductor compiles
     pytest.param(7, "cpu", marks=pytest.mark.slow),  # inductor, and its warmup times choices
     pytest.param(8, "cuda", marks=[needs_cuda, pytest.mark.cuda])])
@@ -861,6 +862,7 @@ def test_a_collector_refuses_an_env_it_cannot_step(stage, env, cpu):
         Pipeline(wrong, RunConfig(n_envs=2, n_steps=4), "cpu")
 
 
+@pytest.mark.slow  # compiles (mode="reduce-overhead")
 def test_the_reduce_overhead_variant_runs_a_stage_and_collects_what_stage_5_does():
     """Chapter 09's variant of a stage with ``Compiled(mode="reduce-overhead")`` executors: its
     compiled policy keeps the module's attributes (the rollout reads ``value_head``), and its
