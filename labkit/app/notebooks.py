@@ -39,14 +39,17 @@ def merge_streams(nb: dict) -> dict:
             last = merged[-1] if merged else None
             if out.get("output_type") == "stream" and last is not None \
                     and last.get("output_type") == "stream" and last.get("name") == out.get("name"):
-                text = out["text"] if isinstance(out["text"], str) else "".join(out["text"])
-                before = last["text"] if isinstance(last["text"], str) else "".join(last["text"])
-                last["text"] = before + text
+                last["text"] = _text(last) + _text(out)
             else:
                 merged.append(out)
         if "outputs" in cell:
             cell["outputs"] = merged
     return nb
+
+
+def _text(out: dict) -> str:
+    """A stream output's text (nbformat stores it as a string or a list of lines)."""
+    return out["text"] if isinstance(out["text"], str) else "".join(out["text"])
 
 
 _VIEW = "application/vnd.jupyter.widget-view+json"

@@ -151,8 +151,8 @@ class Finding:
     to_dict = asdict
 
 
-#: Why a finding of a kind (:data:`KINDS`) happened, where the kind has
-#: several causes; ``pageable`` is a host-to-device copy"s.
+#: Why a finding of a kind (:data:`KINDS`) happened, where the kind has several causes;
+#: ``pageable`` is a host-to-device copy's.
 CAUSES = {
     "item": "reads a tensor's value on the host, as .item() does (a 0-d tensor used as an "
             "index or a Python number is read so): a capture cannot wait for it; index with "
