@@ -194,6 +194,13 @@ def _rendezvous(group: Group, backend: str) -> None:
         raise ValueError(f"MASTER_ADDR={addr[:80]!r} cannot be resolved ({err}): name the "
                          "host of rank 0, e.g. MASTER_ADDR=127.0.0.1 on one machine") from None
     where = f"{addr}:{os.environ.get('MASTER_PORT', '').strip() or '?'}"
+    # torch.distributed.nn.functional gives ten functions the default argument
+    # group=group.WORLD, evaluated when it is first imported: after the group is made (the
+    # first optimizer or compile imports it, through torch._dynamo), those defaults hold the
+    # group, destroy_process_group cannot free it, and gloo's C++ threads live on into the
+    # interpreter's teardown, where a rank sometimes died of SIGABRT ("terminate called
+    # without an active exception"). Imported before the group exists, the defaults are None.
+    import torch.distributed.nn  # noqa: F401
     with default_stop_signals():
         if group.is_main:
             print(f"rank 0 of {group.world}: waiting up to {timeout} s for the other ranks at "
