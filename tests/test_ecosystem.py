@@ -127,9 +127,9 @@ def torchrun(*argv: str, nproc: int = 2, timeout: int = 600) -> subprocess.Compl
 
 
 #: Each rank joins through labkit, imports what torch.optim and torch.compile import lazily
-#: (after the join, as in a run), talks, leaves, and prints the threads it has left.
+#: (after the join, as in a run), talks, leaves, and writes the gloo threads it has left.
 _LEAVE = """
-import os, torch
+import os, sys, torch
 from labkit.distributed import join, leave
 group = join("cpu")
 import torch._dynamo  # noqa: F401  (the first optimizer or compile imports it)
@@ -137,7 +137,8 @@ x = torch.ones(2)
 torch.distributed.all_reduce(x)
 leave(group)
 names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-print("rank", group.rank, "threads left:", sorted(n for n in names if "gloo" in n))
+with open(os.path.join(sys.argv[1], f"rank{group.rank}.txt"), "w") as f:  # one file a rank
+    f.write(f"threads left: {sorted(n for n in names if 'gloo' in n)}")
 """
 
 
@@ -153,11 +154,12 @@ def test_leaving_the_group_ends_its_threads(tmp_path):
     script = tmp_path / "leave.py"
     script.write_text(_LEAVE)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--standalone", str(script)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                        "--standalone", str(script), str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
-    said = sorted(line for line in r.stdout.splitlines() if line.startswith("rank"))
-    assert said == ["rank 0 threads left: []", "rank 1 threads left: []"], r.stdout
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "threads left: []"
 
 
 TINY = ["--device", "cpu", "--stage", "gpu_metrics", "--n-envs", "8", "--n-steps", "16",
