@@ -69,7 +69,7 @@ def trial(target: int | None, bound: float, files: tuple[str, ...] = ()) -> tupl
         keep(self, record)
         if record["iteration"] == 2:
             lander.armed = True
-        elif record["iteration"] == 3 and target is None:
+        elif record["iteration"] == 3 and not lander.fired:  # iteration 3 ended: stop tracing
             lander.armed, lander.fired = False, True
 
     session.Session.keep = keep_and_arm
@@ -83,7 +83,7 @@ def trial(target: int | None, bound: float, files: tuple[str, ...] = ()) -> tupl
             out = Path(tmp) / "run"
             try:
                 train(TrainConfig.flat(**CFG), out, progress=False)
-                outcome = "finished"
+                outcome = "finished" if target is None else "not landed"
             except TrainingInterrupted as stop:
                 outcome = f"stopped ({signal.Signals(stop.signum).name})"
                 if (out / checkpoint.FILENAME).exists():
@@ -103,24 +103,28 @@ def trial(target: int | None, bound: float, files: tuple[str, ...] = ()) -> tupl
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", type=int, default=400)
-    parser.add_argument("--bound", type=float, default=60.0, help="seconds a trial may take")
+    parser.add_argument("--bound", type=float, default=300.0,
+                        help="seconds a trial may take before it counts as a hang")
     parser.add_argument("--files", nargs="*", default=[],
                         help="land only on lines of files whose path ends so (queue.py ...)")
     args = parser.parse_args()
     files = tuple(args.files)
     outcome, lines = trial(None, args.bound, files)
     print(f"iteration 3 runs {lines:,} lines in the main thread"
-          f"{' in ' + ', '.join(files) if files else ''} ({outcome} unstopped)")
+          f"{' in ' + ', '.join(files) if files else ''} ({outcome} unstopped)", flush=True)
     targets = sorted({1 + round(i * (lines - 1) / max(args.points - 1, 1))
                       for i in range(args.points)})
-    bad, start = [], time.perf_counter()
+    bad, missed, start = [], 0, time.perf_counter()
     for k in targets:
         outcome, _ = trial(k, args.bound, files)
-        if outcome != "stopped (SIGTERM)":
+        if outcome == "not landed":  # this run's iteration 3 ran fewer lines there
+            missed += 1
+        elif outcome != "stopped (SIGTERM)":
             bad.append((k, outcome))
             print(f"line event {k}: {outcome}", flush=True)
-    print(f"{len(targets) - len(bad)} of {len(targets)} landing points stop as they must "
-          f"({time.perf_counter() - start:.0f} s)")
+    print(f"{len(targets) - len(bad) - missed} of {len(targets) - missed} landing points stop "
+          f"as they must ({missed} not reached: iteration 3 ran fewer lines; "
+          f"{time.perf_counter() - start:.0f} s)")
     return 1 if bad else 0
 
 
