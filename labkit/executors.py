@@ -260,12 +260,15 @@ def describe_choices(made: dict[str, dict]) -> str:
 def describe_choice(part: str, made: dict, kinds: tuple[str, str] = ("eager", "compiled")
                     ) -> str:
     """"update eager (update 217.3 ms per iteration eager, 353.0 compiled; medians of 5)"
-    (``kinds``: the two timed, as the record's ``<kind>_ms`` names them)."""
+    (``kinds``: the two timed, as the record's ``<kind>_ms`` names them); a choice a run
+    remembered from an earlier one (:mod:`labkit.app.remembered`) adds ", remembered: timed
+    <date>"."""
     if made["why"] != "timed":
         return f"{part} {made['kept']} ({made['why']})"
     a, b = (statistics.median(made[f"{k}_ms"]) for k in kinds)
+    when = f", remembered: timed {made['remembered'][:10]}" if made.get("remembered") else ""
     return (f"{part} {made['kept']} ({made['phase']} {a:.1f} ms per iteration {kinds[0]}, "
-            f"{b:.1f} {kinds[1]}; medians of {len(made[f'{kinds[0]}_ms'])})")
+            f"{b:.1f} {kinds[1]}; medians of {len(made[f'{kinds[0]}_ms'])}{when})")
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,10 @@ def run_once(stage: str, fresh_cache: bool) -> dict:
         env = dict(os.environ)
         if fresh_cache:
             env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor-cache")
-        cmd = [sys.executable, "-m", "labkit", "train", "--no-progress", "--stage", stage,
-               "--out", str(Path(tmp) / "run")]
+        # --fresh-choices: every run times its warm-up choices, as these files were recorded
+        # before runs remembered them (labkit.app.remembered)
+        cmd = [sys.executable, "-m", "labkit", "train", "--no-progress", "--fresh-choices",
+               "--stage", stage, "--out", str(Path(tmp) / "run")]
         start = time.perf_counter()
         subprocess.run(cmd, check=True, capture_output=True, env=env)
         process_s = time.perf_counter() - start
@@ -63,7 +65,8 @@ def main() -> None:
             runs[stage].append(run_once(stage, args.fresh_cache))
             print(stage, {k: round(v, 1) for k, v in runs[stage][-1].items()}, flush=True)
     result = {"meta": run_metadata(torch.device("cpu")), "fresh_cache": args.fresh_cache,
-              "command": "python -m labkit train --no-progress --stage STAGE --out DIR",
+              "command": "python -m labkit train --no-progress --fresh-choices --stage STAGE "
+                         "--out DIR",
               "stages": {s: {"process_s_median": statistics.median(x["process_s"] for x in rs),
                              "process_s_spread": [min(x["process_s"] for x in rs),
                                                   max(x["process_s"] for x in rs)],

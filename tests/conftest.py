@@ -23,6 +23,10 @@ Tiers (markers registered in pyproject.toml):
 compile cache. Both print their time by file at the end (:func:`pytest_terminal_summary`).
 """
 import functools
+import hashlib
+import os
+import shutil
+import tempfile
 from collections import defaultdict
 
 import pytest
@@ -74,17 +78,32 @@ def _aot_eager_compile(model=None, **kwargs):
 
 
 _last_backend: list[str] = []
+_SESSION_CACHE: list[str] = [tempfile.gettempdir()]
 
 
 def pytest_configure(config):
     """aot_eager from the session's start: a module- or session-scoped fixture is set up
     before any test's own fixtures, so a pipeline it builds would otherwise compile with
-    inductor (``tests/test_debug.py``'s stage 7 did: 25 s of a cold fast tier)."""
+    inductor (``tests/test_debug.py``'s stage 7 did: 25 s of a cold fast tier). Remembered
+    warm-up choices (``labkit.app.remembered``) go to a folder of the session's own, never
+    the user's cache, and each test gets its own below it."""
     torch.compile = _aot_eager_compile
+    _SESSION_CACHE[:] = [tempfile.mkdtemp(prefix="labkit-test-cache-")]
+    os.environ["LABKIT_CACHE_DIR"] = _SESSION_CACHE[0]
+
+
+@pytest.fixture(autouse=True)
+def _own_choice_cache(request, monkeypatch):
+    """Each test remembers warm-up choices apart (a folder made only if it writes one), so no
+    test keeps what another timed."""
+    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:16]
+    monkeypatch.setenv("LABKIT_CACHE_DIR", os.path.join(_SESSION_CACHE[0], digest))
 
 
 def pytest_unconfigure(config):
     torch.compile = _real_compile
+    if "labkit-test-cache-" in _SESSION_CACHE[0]:  # the session's own folder, made above
+        shutil.rmtree(_SESSION_CACHE[0], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -227,6 +227,53 @@ def test_a_resumed_run_keeps_the_choice_its_checkpoint_holds(tmp_path, monkeypat
     assert built[-1].math.kinds() == {"rollout": "compiled", "update": "compiled"}
 
 
+@pytest.mark.slow
+def test_a_new_run_keeps_what_the_last_run_like_it_timed(tmp_path, monkeypatch):
+    """labkit.app.remembered: a second new run of the same stage and sizes keeps the first's
+    timed choices without timing and says so; remember_choices=False (--fresh-choices) times
+    again, another N is timed apart, and a cache file that is not JSON is passed over and
+    replaced."""
+    from labkit.app import remembered
+    from labkit.app.cli import build_parser
+
+    made = {"rollout": {"kept": "eager", "why": "timed", "phase": "policy",
+                        "eager_ms": [1.0] * 5, "compiled_ms": [2.0] * 5},
+            "update": {"kept": "compiled", "why": "timed", "phase": "update",
+                       "eager_ms": [3.0] * 5, "compiled_ms": [2.0] * 5}}
+    timed = []
+
+    def scripted(pipe, choices, rounds=CHOICE_ROUNDS, phases=None):
+        timed.append(pipe.cfg.n_envs)
+        for part, choice in choices.items():
+            choice.keep(made[part]["kept"])
+        return {part: made[part] for part in choices}
+
+    monkeypatch.setattr("labkit.executors.choose", scripted)
+    flat = dict(stage="fused_amp", device="cpu", n_envs=8, n_steps=16, total_steps=128, seed=3,
+                conv_math="conv2d", spec=SPEC)
+    cfg = TrainConfig.flat(**flat)
+    assert train(cfg, tmp_path / "a", progress=False)["executor_choices"] == made
+    second = train(cfg, tmp_path / "b", progress=False)["executor_choices"]
+    assert timed == [8]  # kept, not timed
+    assert {p: {k: v for k, v in m.items() if k != "remembered"}
+            for p, m in second.items()} == made
+    assert "compiled; medians of 5, remembered: timed 20" in describe_choice("update",
+                                                                              second["update"])
+    assert checkpoint.load(tmp_path / "b" / checkpoint.FILENAME)["executor_choices"] == second
+    fresh = train(cfg, tmp_path / "c", progress=False, remember_choices=False)
+    assert timed == [8, 8] and fresh["executor_choices"] == made
+    train(TrainConfig.flat(**{**flat, "n_envs": 4}), tmp_path / "d", progress=False)
+    assert timed == [8, 8, 4]
+    (remembered.cache_dir() / remembered.FILENAME).write_text("not JSON")
+    train(cfg, tmp_path / "e", progress=False)
+    assert timed == [8, 8, 4, 8]
+    assert train(cfg, tmp_path / "f", progress=False)["executor_choices"]["update"][
+        "remembered"] and timed == [8, 8, 4, 8]
+    assert build_parser().parse_args(["train", "--fresh-choices"]).fresh_choices
+    with pytest.raises(TypeError, match="remember_choices must be True or False, got str"):
+        train(cfg, tmp_path / "g", remember_choices="no")
+
+
 def test_a_checkpoint_with_a_bad_choice_is_refused_naming_the_field(tmp_path):
     cfg = TrainConfig.flat(stage="async_logging", device="cpu", n_envs=8, n_steps=16,
                            total_steps=2 * 128, seed=3, spec=SPEC)

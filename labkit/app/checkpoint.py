@@ -119,14 +119,14 @@ def check(payload: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
                               f"CPU threads the run used); got {threads!r:.50}")
     choices = payload.get("executor_choices", {})  # absent before compile choices existed
     if not isinstance(choices, dict) or not all(
-            part in PART_PHASE and _choice_ok(made, part) for part, made in choices.items()):
+            part in PART_PHASE and choice_ok(made, part) for part, made in choices.items()):
         raise CheckpointError(f"{path}: field 'executor_choices' must map "
                               f"{' or '.join(PART_PHASE)} to {{'kept': "
                               f"{' or '.join(map(repr, KINDS))}, 'why': str, ...}} (a timed "
                               f"choice with its phase and timings); got {choices!r:.200}")
     convs = payload.get("conv_choices", {})  # absent before the convolutions' choice existed
     if not isinstance(convs, dict) or (convs and set(convs) != set(PART_PHASE)) or not all(
-            _choice_ok(made, part, CONV_MATHS) for part, made in convs.items()):
+            choice_ok(made, part, CONV_MATHS) for part, made in convs.items()):
         raise CheckpointError(f"{path}: field 'conv_choices' must be empty or map "
                               f"{' and '.join(PART_PHASE)} to {{'kept': "
                               f"{' or '.join(map(repr, CONV_MATHS))}, 'why': str, ...}} (a "
@@ -189,7 +189,7 @@ def _scaler_ok(state: dict) -> bool:
         and tracker.numel() == 1 and bool((tracker >= 0).all())
 
 
-def _choice_ok(made: Any, part: str, kinds: tuple[str, ...] = KINDS) -> bool:
+def choice_ok(made: Any, part: str, kinds: tuple[str, ...] = KINDS) -> bool:
     """A saved choice for ``part`` between ``kinds`` (compiled or eager; its convolutions,
     conv2d or matmul): what it kept, why, and for a timed one its phase (the part's) and each
     kind's timings; a fused rollout step's is timed in its ``step`` phase)."""

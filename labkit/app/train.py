@@ -40,7 +40,7 @@ from ..policy import BODIES, VALUE_HEADS
 from ..signals import raise_if_stopped, signals_deferred, signum_of, stop_signals
 from ..stages import PARTS, Pipeline, PipelineState
 from ..validate import check_int
-from . import checkpoint
+from . import checkpoint, remembered
 from .flags import field_flag, non_negative_int, path, positive_int, stage
 from .run import (
     CONFIG,
@@ -65,7 +65,8 @@ def build_pipeline(cfg: TrainConfig, device: torch.device, group: Group = SINGLE
 
 def train(cfg: TrainConfig | None, out: str | Path | NewFolder, *, resume: bool = False,
           progress: bool = True, stop_after: int | None = None,
-          tensorboard: str | Path | None = None, debug_checks: bool = False) -> dict[str, Any]:
+          tensorboard: str | Path | None = None, debug_checks: bool = False,
+          remember_choices: bool = True) -> dict[str, Any]:
     """Train, writing ``out/config.json``, ``out/metrics.jsonl``, ``out/checkpoint.pt`` and
     ``out/summary.json`` (and TensorBoard scalars to ``tensorboard`` if given);
     ``out=NewFolder()``: a new ``runs/train-<date>-<time>`` folder, made once the run is
@@ -74,7 +75,9 @@ def train(cfg: TrainConfig | None, out: str | Path | NewFolder, *, resume: bool 
     ``resume=True`` continues the run saved in ``out`` with its saved config (``cfg`` must be
     None or equal to it), from its checkpoint or, if it died before the first one, from its
     start. The run is judged once, by :func:`labkit.app.run.open_run`. ``stop_after`` ends the
-    run early after that iteration (counted from the run's start), with a checkpoint. Ctrl-C,
+    run early after that iteration (counted from the run's start), with a checkpoint. A stage
+    that compiles only where it pays keeps what the last run like this one timed at warm-up
+    (``remember_choices=False``: times it again; :mod:`labkit.app.remembered`). Ctrl-C,
     SIGTERM and SIGHUP save the state of the last finished iteration, close the logs and raise
     :class:`TrainingInterrupted` (further signals wait for the save); before the first
     iteration too, its message saying what the folder holds (a config.json written is kept for
@@ -96,6 +99,9 @@ def train(cfg: TrainConfig | None, out: str | Path | NewFolder, *, resume: bool 
         raise TypeError(f"out must be a folder path (str or Path), got {type(out).__name__}")
     if stop_after is not None:
         check_int("stop_after", stop_after, 1)
+    if not isinstance(remember_choices, bool):
+        raise TypeError(f"remember_choices must be True or False, got "
+                        f"{type(remember_choices).__name__}")
     group = current()
     if group.world > 1:  # the process group's backend depends on the device type
         if isinstance(out, NewFolder):
@@ -109,7 +115,7 @@ def train(cfg: TrainConfig | None, out: str | Path | NewFolder, *, resume: bool 
                           group=group) as run:
                 if run.finished is not None:
                     return {**run.finished, "already_complete": True, "out": str(run.out)}
-                summary = _run(run, progress, stop_after, tensorboard)
+                summary = _run(run, progress, stop_after, tensorboard, remember_choices)
                 return {**summary, "out": str(run.out)}
     except TrainingInterrupted:
         raise
@@ -145,13 +151,16 @@ def _load(pipe: Pipeline, saved: dict, group: Group, ckpt_path: Path) -> None:
                                          f"config ({type(err).__name__}: {err})") from None
 
 
-def _choose_executors(pipe: Pipeline, saved: dict | None, group: Group) -> None:
+def _choose_executors(pipe: Pipeline, saved: dict | None, group: Group,
+                      remember: bool = True) -> None:
     """Settle what a stage that compiles only where it pays keeps: a resumed run keeps what
     its checkpoint says (the same kernels, the same numbers; the door checked that its
-    choices fit the stage); otherwise a warmup times eager against compiled, and where the
-    stage chooses them the convolutions' conv2d against matmul (off the clock, undone; a
-    forced ``compile`` or ``conv_math`` needs none). Under torchrun every rank keeps rank 0's
-    choices. A checkpoint from before runs chose ran compiled, and its convolutions conv2d."""
+    choices fit the stage); a new one what the last run like it timed (``remember``:
+    :mod:`labkit.app.remembered`), or else a warmup times eager against compiled, and where
+    the stage chooses them the convolutions' conv2d against matmul (off the clock, undone; a
+    forced ``compile`` or ``conv_math`` needs none), and remembers them. Under torchrun every
+    rank keeps rank 0's choices. A checkpoint from before runs chose ran compiled, and its
+    convolutions conv2d."""
     model = pipe.math
     if saved is not None:
         made = saved.get("executor_choices", {part: {"kept": "compiled",
@@ -165,7 +174,15 @@ def _choose_executors(pipe: Pipeline, saved: dict | None, group: Group) -> None:
             model.keep_conv_math(convs)
     elif set(model.choices) - set(model.executor_choices) or (
             model.chooses_conv_math and not model.conv_choices):
-        warmup(pipe)
+        known = remembered.recall(pipe) if remember else None
+        if known is not None:
+            model.keep_choices(known[0])
+            if known[1]:
+                model.keep_conv_math(known[1])
+        else:
+            warmup(pipe)
+            if group.is_main:
+                remembered.remember(pipe)
     if group.world > 1 and model.choices:
         model.keep_choices(group.broadcast(model.executor_choices))
     if group.world > 1 and model.conv_choices:
@@ -187,7 +204,7 @@ def _show(bar: Any, record: dict, steps: int) -> None:
 
 
 def _run(run: Run, progress: bool, stop_after: int | None,
-         tensorboard: str | Path | None) -> dict[str, Any]:
+         tensorboard: str | Path | None, remember: bool = True) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     cfg, group, start = run.cfg, run.group, run.start
@@ -201,7 +218,7 @@ def _run(run: Run, progress: bool, stop_after: int | None,
         pipe = resources.enter_context(build_pipeline(cfg, run.device, group))
         if run.saved is not None:
             _load(pipe, run.saved, group, run.checkpoint_path)
-        _choose_executors(pipe, run.saved, group)
+        _choose_executors(pipe, run.saved, group, remember)
         run.keep_metrics()
         session = Session(run, pipe)
         session.open_logs(resources, tensorboard)
@@ -265,7 +282,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = None if args.resume else TrainConfig.flat(**given, world_size=group.world)
     s = train(cfg, args.resume or args.out or NewFolder(), resume=bool(args.resume),
               progress=not args.no_progress, stop_after=args.stop_after,
-              tensorboard=args.tensorboard, debug_checks=args.debug)
+              tensorboard=args.tensorboard, debug_checks=args.debug,
+              remember_choices=not args.fresh_choices)
     out = s["out"]
     if not group.is_main:
         return 0
@@ -323,5 +341,9 @@ def add_parser(sub) -> None:
     p.add_argument("--debug", action="store_true",
                    help="check observations, logits, values, losses and gradients for NaN/inf "
                         "(one host read per check; LABKIT_DEBUG=1 does the same)")
+    p.add_argument("--fresh-choices", action="store_true",
+                   help="time eager against compiled (and conv2d against matmul) again where "
+                        "the stage chooses, instead of keeping what the last run like this one "
+                        "timed (kept in $LABKIT_CACHE_DIR, default ~/.cache/labkit)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
