@@ -67,7 +67,7 @@ def key(pipe: Any) -> str:
 def _entries() -> dict:
     try:
         entries = read_json_object(cache_dir() / FILENAME, "remembered choices")
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: no home folder to be found
         return {}
     return entries.get("entries") if isinstance(entries.get("entries"), dict) else {}
 
@@ -102,5 +102,5 @@ def remember(pipe: Any) -> None:
         "executor_choices": math.executor_choices,
         "conv_choices": math.conv_choices if math.chooses_conv_math else {}}  # timed ones
     kept = dict(list(entries.items())[-MAX_ENTRIES:])
-    with contextlib.suppress(OSError):  # a cache: the run goes on without it
+    with contextlib.suppress(OSError, RuntimeError):  # a cache: the run goes on without it
         write_json(cache_dir() / FILENAME, {"entries": kept})
