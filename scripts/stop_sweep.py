@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -44,6 +46,7 @@ class Lander:
 
     def __init__(self, target: int | None, files: tuple[str, ...]) -> None:
         self.target, self.count, self.armed, self.fired = target, 0, False, False
+        self.where = ""  # the line it landed at
         self.files = files  # count only lines of files whose path ends so (empty: every file)
 
     def trace(self, frame, event, arg):
@@ -55,13 +58,16 @@ class Lander:
             self.count += 1
             if self.count == self.target:
                 self.fired = True
+                self.where = f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
                 signal.raise_signal(signal.SIGTERM)
         return self.line if not self.fired else None
 
 
-def trial(target: int | None, bound: float, files: tuple[str, ...] = ()) -> tuple[str, int]:
+def trial(target: int | None, bound: float, files: tuple[str, ...] = ()
+          ) -> tuple[str, int, str]:
     """One run stopped at line event ``target`` of iteration 3 (None: not stopped; returns
-    how many line events iteration 3 had), counting the lines of ``files`` only."""
+    how many line events iteration 3 had, and where the stop landed), counting the lines of
+    ``files`` only."""
     lander = Lander(target, files)
     keep = session.Session.keep
 
@@ -92,12 +98,15 @@ def trial(target: int | None, bound: float, files: tuple[str, ...] = ()) -> tupl
             if left:
                 outcome += f"; writer threads left: {len(left)}"
             outcome += "".join(f"; {d}" for d in died)
+            if not torch.is_grad_enabled():  # a with-block's __enter__ cut short: no __exit__
+                outcome += "; grad mode left off"
+                torch.set_grad_enabled(True)  # for the trials after this one
     finally:
         sys.settrace(None)
         threading.excepthook = hook
         faulthandler.cancel_dump_traceback_later()
         session.Session.keep = keep
-    return outcome, lander.count
+    return outcome, lander.count, lander.where
 
 
 def main() -> int:
@@ -109,19 +118,19 @@ def main() -> int:
                         help="land only on lines of files whose path ends so (queue.py ...)")
     args = parser.parse_args()
     files = tuple(args.files)
-    outcome, lines = trial(None, args.bound, files)
+    outcome, lines, _ = trial(None, args.bound, files)
     print(f"iteration 3 runs {lines:,} lines in the main thread"
           f"{' in ' + ', '.join(files) if files else ''} ({outcome} unstopped)", flush=True)
     targets = sorted({1 + round(i * (lines - 1) / max(args.points - 1, 1))
                       for i in range(args.points)})
     bad, missed, start = [], 0, time.perf_counter()
     for k in targets:
-        outcome, _ = trial(k, args.bound, files)
+        outcome, _, where = trial(k, args.bound, files)
         if outcome == "not landed":  # this run's iteration 3 ran fewer lines there
             missed += 1
         elif outcome != "stopped (SIGTERM)":
             bad.append((k, outcome))
-            print(f"line event {k}: {outcome}", flush=True)
+            print(f"line event {k}: {outcome} (landed at {where})", flush=True)
     print(f"{len(targets) - len(bad) - missed} of {len(targets) - missed} landing points stop "
           f"as they must ({missed} not reached: iteration 3 ran fewer lines; "
           f"{time.perf_counter() - start:.0f} s)")

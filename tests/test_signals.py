@@ -361,3 +361,44 @@ def test_a_stop_landing_anywhere_in_a_log_call_never_hangs_the_logger():
     assert steps == [0, 1] and lines > 10
     for k in range(1, lines + 1):
         one(k)
+
+
+def test_a_stop_landing_in_a_no_grad_blocks_exit_leaves_grad_on(tmp_path):
+    """A stop landing in ``torch.no_grad``'s ``__exit__``, as it switches grad back on (Python
+    code: ``set_grad_enabled.__init__``), skips the switch; ``train`` restores the mode it
+    began with, so the next run in the same process (a notebook's kernel) is not left without
+    gradients (found by ``scripts/stop_sweep.py --files grad_mode.py``: 6 of 60 landings left
+    grad off before)."""
+    import torch
+
+    from labkit.app.run import TrainingInterrupted
+    from labkit.app.train import TrainConfig, train
+    from labkit.signals import stop_signals
+
+    landed = []
+
+    def tracer(frame, event, arg):
+        if not frame.f_code.co_filename.endswith("grad_mode.py") or landed:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and not landed and frame.f_code.co_name == "__init__" \
+                    and frame.f_locals.get("mode") is True and not torch.is_grad_enabled():
+                landed.append(frame.f_lineno)  # grad is off, and this call turns it back on
+                handler(signal.SIGTERM, frame)
+            return local
+        return local
+
+    cfg = TrainConfig.flat(stage="async_logging", device="cpu", n_envs=4, n_steps=8,
+                           total_steps=64, seed=1)
+    with stop_signals():  # train installs its own; this one gives the handler to land
+        handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(TrainingInterrupted):
+        sys.settrace(tracer)
+        try:
+            train(cfg, tmp_path / "r", progress=False)
+        finally:
+            sys.settrace(None)
+    grad_on = torch.is_grad_enabled()
+    torch.set_grad_enabled(True)  # never leave the tests after this one without gradients
+    assert landed and grad_on

@@ -108,7 +108,7 @@ def train(cfg: TrainConfig | None, out: str | Path | NewFolder, *, resume: bool 
             raise ValueError("--out is required under torchrun: every rank must name the "
                              "same run folder")
         group = join(device_type(cfg, Path(out), resume))
-    run = None
+    run, grad = None, torch.is_grad_enabled()
     try:
         with debug.enable(debug_checks or debug.enabled()), stop_signals():
             with open_run(cfg, out, resume=resume, tensorboard=tensorboard,
@@ -125,6 +125,11 @@ def train(cfg: TrainConfig | None, out: str | Path | NewFolder, *, resume: bool 
         raise TrainingInterrupted(_stopped_before_training(stop, where), signum_of(stop),
                                   out=where) from None
     finally:
+        # torch's grad mode as it was: a stop that lands inside a `with torch.no_grad()` block's
+        # __enter__ or __exit__ (Python code, between switching the mode and returning) skips
+        # the switch back, and grad would stay off for the rest of the process (a notebook's
+        # kernel: the next run fails in its first backward). scripts/stop_sweep.py found it.
+        torch._C._set_grad_enabled(grad)
         leave(group)
 
 
