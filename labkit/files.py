@@ -183,6 +183,22 @@ def check_output_dir(path: str | os.PathLike, what: str = "--out") -> Path:
     return path
 
 
+@contextlib.contextmanager
+def output_dir(path: str | os.PathLike, what: str = "--out") -> Iterator[Path]:
+    """:func:`check_output_dir` for the block's work: a folder it made is removed again where
+    the block raises and leaves it empty, so a refusal that comes after the check (a size that
+    does not fit the memory) creates nothing."""
+    existed = Path(path).is_dir()
+    folder = check_output_dir(path, what)
+    try:
+        yield folder
+    except BaseException:
+        if not existed:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # empty only: what the block wrote stays
+        raise
+
+
 def link_refused(path: str | os.PathLike) -> str:
     """The one line for a symbolic link where labkit writes a file of its own."""
     return (f"{path} is a symbolic link; labkit does not write through links in its folders "

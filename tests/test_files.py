@@ -250,3 +250,24 @@ def test_train_resume_plot_runs_and_report_refuse_deep_json_in_one_line(tmp_path
     results.mkdir()
     (results / "ladder_cpu_quick.json").write_text(DEEP)
     refused(["report", "--results", str(results)], "ladder_cpu_quick.json")
+
+
+def test_a_refusal_after_the_output_check_leaves_no_folder_made(tmp_path):
+    """files.output_dir: a folder the check made is removed where the work refuses (bench-env
+    under RLIMIT_AS said no to 4M envs and left its empty --out folder behind); a folder that
+    was there, or one the work wrote into, stays."""
+    from labkit.files import output_dir
+
+    made, there = tmp_path / "new", tmp_path / "old"
+    there.mkdir()
+    for folder in (made, there):
+        with pytest.raises(ValueError, match="too big"), output_dir(folder):
+            raise ValueError("too big")
+    assert not made.exists() and there.is_dir()
+    with pytest.raises(ValueError), output_dir(made) as folder:
+        (folder / "partial.json").write_text("{}")
+        raise ValueError("stopped after writing")
+    assert (made / "partial.json").exists()
+    with output_dir(tmp_path / "fine") as folder:
+        pass
+    assert folder.is_dir()

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import BenchConfig
-from ..files import OutputError, check_output_dir, write_json
+from ..files import OutputError, check_output_dir, output_dir, write_json
 from ..signals import Stop, signals_deferred, stop_signals
 from .flags import (
     device_and_profile,
@@ -113,9 +113,10 @@ def bench_env(device: torch.device, out: str | Path, *, repeats: int,
     from ..measure.envbench import bench_envs, format_table
 
     name = f"bench_env_{device.type}" + ("_torch" if torch_only else "")
-    path = _free_file(check_output_dir(out) / f"{name}.json")
-    result = bench_envs(device=device, repeats=repeats, n_envs=n_envs, compiled=compiled,
-                        compile_loop=compile_loop, torch_only=torch_only)
+    with output_dir(out) as folder:  # a size refused for memory leaves no folder made
+        path = _free_file(folder / f"{name}.json")
+        result = bench_envs(device=device, repeats=repeats, n_envs=n_envs, compiled=compiled,
+                            compile_loop=compile_loop, torch_only=torch_only)
     stopped = result.get("interrupted")
     if stopped:  # the rounds that finished, beside (never over) a complete run's file
         path = path.with_name(f"{path.stem}_partial.json")
@@ -137,8 +138,9 @@ def bench_update(device: torch.device, out: str | Path, *, sizes: list[tuple[int
     from ..measure.updatebench import bench_update as measure
     from ..measure.updatebench import format_table
 
-    path = _free_file(check_output_dir(out) / f"bench_update_{device.type}.json")
-    result = measure(device, sizes, rounds=rounds)
+    with output_dir(out) as folder:
+        path = _free_file(folder / f"bench_update_{device.type}.json")
+        result = measure(device, sizes, rounds=rounds)
     _print_and_write(format_table(result), path, result)
     return 0
 
@@ -156,9 +158,10 @@ def bench_sb3(cfg, out: str | Path, *, stage: str | None, iterations: int, round
         import stable_baselines3  # noqa: F401
     except ImportError:
         raise ValueError("bench-sb3 needs Stable-Baselines3: pip install -e '.[sb3]'") from None
-    path = _free_file(check_output_dir(out) / "bench_sb3_cpu.json")
-    result = measure(cfg, stage or REFERENCE_STAGE, iterations=iterations,
-                     rounds=rounds, threads=threads)
+    with output_dir(out) as folder:
+        path = _free_file(folder / "bench_sb3_cpu.json")
+        result = measure(cfg, stage or REFERENCE_STAGE, iterations=iterations,
+                         rounds=rounds, threads=threads)
     _print_and_write(format_table(result), path, result)
     return 0
 
