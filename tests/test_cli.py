@@ -474,6 +474,7 @@ def _results_copy(tmp_path: Path) -> Path:
     ("ladder_cpu_quick.json", '{"meta": {"device": "cpu"', "is not valid JSON"),
     ("learning_cpu_quick.json", None, "field 'budget' is missing"),
     ("ladder_cpu_quick.json", None, "field 'config' is missing"),
+    ("ladder_cpu_quick.json", "NaN sps", "field 'ladder.0.sps' is nan; labkit writes a figure"),
 ])
 def test_report_names_the_file_it_cannot_use(tmp_path, capsys, name, text, needle):
     """Every results file is checked at the door (issue 23, class 2): one line naming the file
@@ -482,6 +483,10 @@ def test_report_names_the_file_it_cannot_use(tmp_path, capsys, name, text, needl
     if text is None:  # the file's meta, and nothing else of what its kind holds
         meta = json.loads((folder / name).read_text())["meta"]
         text = json.dumps({"meta": meta})
+    elif text == "NaN sps":  # JSON's NaN literal where labkit writes null ("nanx" was printed)
+        data = json.loads((folder / name).read_text())
+        data["ladder"][0]["sps"] = float("nan")
+        text = json.dumps(data)
     (folder / name).write_text(text)
     code, _, err = run_cli(["report", "--results", str(folder)], capsys)
     assert code == 2 and err.count("\n") == 1, err

@@ -4,6 +4,7 @@ checked at the door; one that is not a labkit result of its kind is named in one
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,8 +30,26 @@ def _load(folder: Path, pattern: str) -> list[tuple[str, dict]]:
         for key in ("device", "device_name", "torch", "git_commit", "date"):
             if not isinstance(data["meta"].get(key), str):
                 raise ValueError(f"{p}: field 'meta.{key}' is missing")
+        where = _non_finite(data)
+        if where is not None:
+            raise ValueError(f"{p}: field {where[0]!r} is {where[1]}; labkit writes a figure it "
+                             "could not measure as null, so the file was edited or is another's")
         loaded.append((p.name, data))
     return loaded
+
+
+def _non_finite(data: object) -> tuple[str, float] | None:
+    """The first NaN or infinity in ``data`` (JSON's NaN and Infinity literals) with its
+    field's dotted path; None where there is none. Iterative: parsed JSON may nest deep."""
+    todo: list[tuple[str, object]] = [("", data)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return where, value
+        items = value.items() if isinstance(value, dict) else (
+            enumerate(value) if isinstance(value, list) else ())
+        todo.extend((f"{where}.{k}" if where else str(k), v) for k, v in items)
+    return None
 
 
 def _section(path: Path, build: Callable[..., list[str]], *args: object) -> list[str]:
