@@ -3,6 +3,7 @@ lines and checkpoints alike."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -299,6 +300,9 @@ class FolderLock:
         second process would then lock a new file and write the same folder alongside."""
         if self._fd is None:
             return
+        if not self.path.parent.is_dir():  # the whole folder went: the machine's doing, exit 1
+            raise FileNotFoundError(errno.ENOENT, f"the run folder {self.path.parent} was "
+                                    "deleted while this run held it", str(self.path.parent))
         held = os.fstat(self._fd)
         try:
             now = os.stat(self.path, follow_symlinks=False)

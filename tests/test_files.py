@@ -271,3 +271,19 @@ def test_a_refusal_after_the_output_check_leaves_no_folder_made(tmp_path):
     with output_dir(tmp_path / "fine") as folder:
         pass
     assert folder.is_dir()
+
+
+def test_a_lock_whose_whole_folder_was_deleted_says_so_as_a_machine_fault(tmp_path):
+    """The run folder deleted mid-run stops the run with exit 1 however it is noticed: by the
+    log file gone (a write error) or here, by the lock's folder gone (it said 'was deleted
+    while this run held it' as a user error, exit 2, in one try of three)."""
+    import shutil
+
+    folder = tmp_path / "run"
+    lock = FolderLock(folder).acquire()
+    try:
+        shutil.rmtree(folder)
+        with pytest.raises(FileNotFoundError, match=r"the run folder .*run was deleted while"):
+            lock.check()
+    finally:
+        lock.release()
