@@ -184,10 +184,9 @@ def _choose_executors(pipe: Pipeline, saved: dict | None, group: Group,
             model.keep_choices(known[0])
             if known[1]:
                 model.keep_conv_math(known[1])
-        else:
-            warmup(pipe)
-            if group.is_main:
-                remembered.remember(pipe)
+        warmup(pipe)  # compiles off the clock (and times what is not remembered), undone
+        if known is None and group.is_main:
+            remembered.remember(pipe)
     if group.world > 1 and model.choices:
         model.keep_choices(group.broadcast(model.executor_choices))
     if group.world > 1 and model.conv_choices:
