@@ -189,7 +189,10 @@ def output_dir(path: str | os.PathLike, what: str = "--out") -> Iterator[Path]:
     """:func:`check_output_dir` for the block's work: a folder it made is removed again where
     the block raises and leaves it empty, so a refusal that comes after the check (a size that
     does not fit the memory) creates nothing."""
-    existed = Path(path).is_dir()
+    try:
+        existed = Path(path).is_dir()
+    except OSError:  # a name the file system refuses: check_output_dir says so, naming ``what``
+        existed = False
     folder = check_output_dir(path, what)
     try:
         yield folder
