@@ -26,7 +26,7 @@ from tests.runs import TINY, finish, metrics_lines, run_cli, start_training, wai
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_save_and_exit_128_plus_signal(tmp_path, sig):
     # Once in CI (2026-11-25) a run did not exit within 120 s of SIGTERM: a stop landing inside
-    # the async logger's queue.put left the queue's lock held (the cause, and its test:
+    # the async logger's queue.put left the queue's lock taken (the cause, and its test:
     # test_a_stop_landing_anywhere_in_a_log_call_never_hangs_the_logger). A hang fails at
     # once, with every thread's stack.
     out = tmp_path / "r"
@@ -322,13 +322,13 @@ def _lands_at(k: int, handler, seen: list[int]) -> Callable:
 
 def test_a_stop_landing_anywhere_in_a_log_call_never_hangs_the_logger():
     """The SIGTERM test's one hang in CI (a run still going 120 s after the signal): a stop
-    that landed in ``threading.Condition.__enter__`` inside ``queue.Queue.put``, after it took
-    the queue's lock and before the ``with`` block owned it, left the lock held for good, and
-    the pipeline's close then waited on it forever (found by ``scripts/stop_sweep.py``, which
-    lands a real SIGTERM at every line of the queue's bookkeeping in a training run: with the
-    put of before 44f9e5c, line event 10 of 187 hangs). Here the stop lands at every line of
-    one ``log`` call in turn; each time it is raised once, the logger closes within 5 s and
-    keeps its records, and its writer never fails."""
+    that landed inside ``queue.Queue.put``'s bookkeeping left the queue's lock taken, and the
+    pipeline's close then waited on it forever (its stacks: the main thread taking the lock in
+    ``Condition.__enter__`` from ``put``, the writer retaking it in ``Condition.wait``). Found
+    by ``scripts/stop_sweep.py``, which lands a real SIGTERM at every line of the queue's
+    bookkeeping in a training run: with the put of before 44f9e5c, line event 10 of 187 hangs.
+    Here the stop lands at every line of one ``log`` call in turn; each time it is raised once,
+    the logger closes within 5 s and keeps its records, and its writer never fails."""
     from labkit.logging import AsyncLogger
     from labkit.signals import Stop, stop_signals
 
