@@ -179,7 +179,9 @@ def _choose_executors(pipe: Pipeline, saved: dict | None, group: Group,
             model.keep_conv_math(convs)
     elif set(model.choices) - set(model.executor_choices) or (
             model.chooses_conv_math and not model.conv_choices):
-        known = remembered.recall(pipe) if remember else None
+        # rank 0's memory for every rank: ranks that time must all time (their warm-up
+        # iterations all-reduce together), and nodes need not share a cache
+        known = group.broadcast(remembered.recall(pipe) if remember and group.is_main else None)
         if known is not None:
             model.keep_choices(known[0])
             if known[1]:
