@@ -33,6 +33,13 @@ _caught: list[list[int]] = []
 _held = [0]
 
 
+def _heard() -> list[int]:
+    """The stop signals this process does not ignore: one ignored when labkit starts was
+    ignored on purpose (``nohup`` ignores SIGHUP, so that closing the terminal does not stop
+    the run; a shell starts a background job with SIGINT ignored) and stays ignored."""
+    return [s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+
+
 def signum_of(stop: BaseException) -> int:
     """The signal behind a KeyboardInterrupt (SIGINT for a plain one)."""
     return getattr(stop, "signum", signal.SIGINT)
@@ -56,7 +63,7 @@ def stop_signals() -> Iterator[None]:
     _caught.append(caught)
     old: dict = {}
     try:
-        for s in STOP_SIGNALS:
+        for s in _heard():
             old[s] = signal.signal(s, stop)
         yield
     finally:
@@ -111,7 +118,7 @@ def signals_deferred(reraise: bool = True) -> Iterator[list[int]]:
     pending: list[int] = []
     old: dict = {}
     try:
-        for s in STOP_SIGNALS:
+        for s in _heard():
             old[s] = signal.signal(s, lambda signum, frame: pending.append(signum))
         yield pending
     finally:
@@ -129,7 +136,7 @@ def default_stop_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = {s: signal.signal(s, signal.SIG_DFL) for s in STOP_SIGNALS}
+    old = {s: signal.signal(s, signal.SIG_DFL) for s in _heard()}
     try:
         yield
     finally:

@@ -402,3 +402,22 @@ def test_a_stop_landing_in_a_no_grad_blocks_exit_leaves_grad_on(tmp_path):
     grad_on = torch.is_grad_enabled()
     torch.set_grad_enabled(True)  # never leave the tests after this one without gradients
     assert landed and grad_on
+
+
+@pytest.mark.slow
+def test_a_signal_ignored_when_the_run_starts_stays_ignored(tmp_path):
+    """``nohup`` starts a run with SIGHUP ignored so that closing the terminal does not stop
+    it; labkit's stop handlers took SIGHUP over and stopped it all the same (found when the
+    reliability script, itself started under nohup, saw a SIGHUP case train on). A run started
+    so goes on after SIGHUP, and SIGTERM still stops it."""
+    out = tmp_path / "r"
+    proc = start_training(out, "--checkpoint-every", "0", script_prefix=(
+        "import signal\nsignal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts it"))
+    wait_for(lambda: metrics_lines(out) >= 2, what="two iterations")
+    proc.send_signal(signal.SIGHUP)
+    seen = metrics_lines(out)
+    wait_for(lambda: metrics_lines(out) >= seen + 2, what="two iterations after SIGHUP")
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    _, err = finish(proc)
+    assert proc.returncode == 128 + signal.SIGTERM and "interrupted by SIGTERM" in err, err
