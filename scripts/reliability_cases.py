@@ -326,9 +326,17 @@ def _(tmp):
 
 
 def _start(tmp: Path, *argv: str, env: dict | None = None) -> subprocess.Popen:
-    """``python -m labkit argv`` started in ``tmp``, its stderr piped, its stdout dropped."""
+    """``python -m labkit argv`` started in ``tmp``, its stderr piped, its stdout dropped, the
+    stop signals at their defaults (this script may run under nohup, whose ignored SIGHUP a
+    run keeps ignoring)."""
     return subprocess.Popen([PY, "-m", "labkit", *argv], cwd=tmp, stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True, env=_environ(env))
+                            stdout=subprocess.DEVNULL, text=True, env=_environ(env),
+                            preexec_fn=_default_signals)
+
+
+def _default_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _wait_for(ready: Callable[[], bool], timeout: float = 120) -> bool:
