@@ -94,10 +94,10 @@ def recall(pipe: Any) -> tuple[dict, dict] | None:
 
 def remember(pipe: Any) -> None:
     """Keep what ``pipe`` timed at warm-up for the next run like it."""
-    math = pipe.math
+    math, here = pipe.math, key(pipe)
     entries = _entries()
-    entries.pop(key(pipe), None)
-    entries[key(pipe)] = {
+    entries.pop(here, None)  # re-added last: the newest entry is kept longest
+    entries[here] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "executor_choices": math.executor_choices,
         "conv_choices": math.conv_choices if math.chooses_conv_math else {}}  # timed ones

@@ -129,7 +129,7 @@ def train(cfg: TrainConfig | None, out: str | Path | NewFolder, *, resume: bool 
         # __enter__ or __exit__ (Python code, between switching the mode and returning) skips
         # the switch back, and grad would stay off for the rest of the process (a notebook's
         # kernel: the next run fails in its first backward). scripts/stop_sweep.py found it.
-        torch._C._set_grad_enabled(grad)
+        torch.set_grad_enabled(grad)
         leave(group)
 
 
