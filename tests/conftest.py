@@ -26,6 +26,7 @@ import functools
 import hashlib
 import os
 import shutil
+import signal
 import tempfile
 from collections import defaultdict
 
@@ -90,6 +91,23 @@ def pytest_configure(config):
     torch.compile = _aot_eager_compile
     _SESSION_CACHE[:] = [tempfile.mkdtemp(prefix="labkit-test-cache-")]
     os.environ["LABKIT_CACHE_DIR"] = _SESSION_CACHE[0]
+    _stops_at_their_defaults()
+
+
+#: The stop signals and what a process that ignores none of them has for each.
+_STOP_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL,
+                  signal.SIGHUP: signal.SIG_DFL}
+
+
+def _stops_at_their_defaults() -> None:
+    """The tests stop runs with real signals, in this process and in the processes it starts
+    (which inherit an ignored signal). A suite started under ``nohup`` has SIGHUP ignored, one
+    started as a shell's background job SIGINT; labkit keeps a stop ignored at start ignored
+    (``labkit.signals``), so those tests would pass or fail by how the suite was started. The
+    suite starts with each stop at its default, whatever started it."""
+    for sig, default in _STOP_DEFAULTS.items():
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            signal.signal(sig, default)
 
 
 @pytest.fixture(autouse=True)
