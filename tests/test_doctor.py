@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
+import labkit
 from labkit.app import cli
 from labkit.config import RunConfig
 from labkit.doctor import KINDS, Finding, diagnose, plants, without_graphs
-from labkit.doctor.meters import Watch
 from labkit.doctor.plants import PLANTS, plant
 from labkit.doctor.report import WITHIN_NOISE, compare_times, symptoms
 from labkit.envs import ForageTorch
@@ -212,11 +212,27 @@ def test_the_watch_counts_the_codes_own_clones_not_torchs():
     number changed between torch 2.11 and 2.13) are not the code's: only a clone called from
     labkit or user code counts."""
     x = torch.ones(3)
-    with Watch(CPU) as w:
+    with labkit.watch(CPU) as w:
         x.clone()
         copy.deepcopy(x)  # torch/_tensor.py clones inside
-    (site,) = w.counts["clone"]
-    assert site.startswith("tests/test_doctor.py:") and w.counts["clone"][site] == 1
+    (site,) = w.calls["clone"]
+    assert site.startswith("tests/test_doctor.py:") and w.calls["clone"][site] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, kind", [("cpu_tensor", "no_device"),
+                                        ("clone_overuse", "excess_ops")])
+def test_the_doctor_counts_what_labkit_watch_counts_on_the_same_loop(reports, name, kind):
+    """The doctor measures through ``labkit.watch``: a reader's watch around the same rollout
+    (eager, as the doctor watches it) counts the same sites the same number of times."""
+    with Pipeline(plant("fused_amp", name), RUN, CPU) as pipe:
+        pipe.rollout()  # warm
+        with torch.compiler.set_stance("force_eager"), labkit.watch(CPU) as w:
+            pipe.rollout()
+    counted = {"no_device": w.calls["no_device"], "excess_ops": w.calls["clone"]}[kind]
+    (f,) = _findings(reports[name], kind)
+    assert {s["site"]: s["per_step"] for s in f.evidence["sites"]} == \
+        {site: round(n / RUN.n_steps, 3) for site, n in counted.items()}
 
 
 @pytest.mark.slow
@@ -274,12 +290,16 @@ def test_the_clean_final_stage_has_no_findings_at_other_sizes(n_envs):
 
 
 @pytest.mark.slow
-def test_stage_0_yields_its_device_reads():
+def test_stage_0_yields_its_device_reads_and_its_copies_of_python_data():
     n = 4
     report = diagnose("python_loop", cfg=RunConfig(n_envs=n, n_steps=8), device=CPU,
                       iterations=2)
-    assert report.kinds == ["device_read"]
-    by_part = {f.where: f for f in report.findings}
+    assert report.kinds == ["device_read", "from_data"]
+    (made,) = _findings(report, "from_data")  # a host-to-device copy each on a GPU
+    assert made.where == "the collector (PerEnvCollector)"
+    per_env_obs = made.evidence["sites"][0]
+    assert per_env_obs["site"].startswith("labkit/rollout.py:") and per_env_obs["per_step"] == n
+    by_part = {f.where: f for f in _findings(report, "device_read")}
     per_env = by_part["the collector (PerEnvCollector)"]
     assert per_env.evidence["per_step"] == n  # one .item() per env per step
     assert per_env.evidence["sites"][0]["site"].startswith("labkit/rollout.py:")

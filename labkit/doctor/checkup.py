@@ -1,17 +1,18 @@
 """``labkit doctor``: run a few iterations under every meter labkit has and report regressions.
 
 ``diagnose(stage_or_pipeline)`` warms the pipeline up off the clock, then runs ``iterations``
-timed iterations with its phase clock (where the time went: each finding's estimated cost;
-the samples stay in the report, so a plant's times can be set against the clean stage's with
-their spread, :func:`~labkit.doctor.report.compare_times`); one under the sync meter with call
-sites (host reads by ``file:line``, device reads apart from host-scalar reads); and one eagerly
-(``force_eager``, so compiled code is seen too) under a ``TorchFunctionMode`` that counts, by
-call site, tensor factories, host-to-device copies, clones and the model's layers, and counts
-the kernels each ``optimizer.step()`` would launch on a GPU. What it counts is the code's own
-calls: a clone that torch makes inside a compiled graph or an optimizer is torch's business,
-and differs between torch versions. Between iterations it snapshots memory (live tensors, the
-tensors each component holds, RSS, CUDA memory); around them it reads dynamo's counters (graphs
-compiled after warmup, graph breaks, with dynamo's reasons).
+timed iterations with its phase clock (where the time went: each finding's estimated cost; the
+samples stay in the report, so a plant's times can be set against the clean stage's with their
+spread, :func:`~labkit.doctor.report.compare_times`); one under the sync meter with call sites
+(host reads by ``file:line``, device reads apart from host-scalar reads); and one eagerly
+(``force_eager``, so compiled code is seen too) under :class:`labkit.watch`, the meters a reader
+points at their own loop, which count by call site what the code made on the host, made from
+Python data, copied to the device and cloned, and the model's convolutions and matrix
+multiplies; and the kernels each ``optimizer.step()`` would launch on a GPU. What it counts is
+the code's own calls: a clone that torch makes inside its own functions or an optimizer is
+torch's business, and differs between torch versions. Between iterations it snapshots memory
+(live tensors, the tensors each component holds, RSS, CUDA memory); around them it reads
+dynamo's counters (graphs compiled after warmup, graph breaks, with dynamo's reasons).
 
 A stage with CUDA graphs (``labkit.executors.Graphed``) is diagnosed :func:`without_graphs`,
 and the report's first line says so: a graph replays exactly the ops of the eager step it
@@ -24,12 +25,12 @@ Findings are judged against what the stage is meant to do, never against zero:
   most once per iteration is accepted (the device metrics' one ``.tolist()`` per update). A
   host-scalar read (a tensor that lives on the CPU in a GPU run too: a non-fused Adam's step
   counters) waits for no GPU: it is counted in the report, never a finding.
-* ``no_device``: a tensor factory in labkit or user code without ``device=`` (on a CPU run: a
-  CPU tensor on a GPU) or making a CPU tensor on a CUDA run (pinned buffers excepted);
-  ``host_to_device``: on CUDA, every host-to-device copy.
+* ``no_device``: a tensor factory in labkit or user code that names no device, or the CPU
+  (a host tensor on a GPU run; pinned buffers excepted); ``from_data``: a tensor made from
+  Python or NumPy data; ``host_to_device``: on CUDA, every host-to-device copy.
 * ``memory_growth``: tensors a component holds, or alive at all, growing every iteration.
-* ``excess_ops``: more clones or model work (convolutions, linear layers, matmuls) called
-  from labkit or user code per step or per minibatch than the clean ladder stage of the same
+* ``excess_ops``: more clones or model work (a forward's convolutions and matrix multiplies)
+  called from labkit or user code per step or per minibatch than the clean ladder stage of the same
   index calls at the same N and T; or more kernel launches per optimizer step (a
   per-parameter optimizer where the clean stage's is fused).
 * ``recompile`` / ``graph_break``: graphs compiled after warmup, graph breaks, or a compiled
@@ -51,7 +52,7 @@ import torch
 
 from ..capture import warmup
 from ..config import RunConfig
-from ..device import resolve_device
+from ..device import resolve_device, synchronize
 from ..distributed import SINGLE
 from ..measure.bench import timed_iteration
 from ..stages import STAGES, Pipeline, Stage, StageSkipped, get_stage, without_graphs
@@ -69,8 +70,9 @@ from .findings import (
     site_findings,
 )
 from .kinds import KINDS, Finding
-from .meters import Measurements, dynamo_state, memory_snapshot, metered, watched
+from .meters import Measurements, dynamo_state, memory_snapshot, metered, step_launches
 from .report import Report
+from .watch import watch
 
 #: The sizes the doctor runs at unless given a RunConfig: small, it only counts.
 DOCTOR_RUN = dict(n_envs=16, n_steps=16)
@@ -84,6 +86,21 @@ DOCTOR_CONV_MATH = "conv2d"
 
 
 _BASELINES: dict[tuple, tuple[dict, dict]] = {}
+
+
+def watched(pipe: Pipeline) -> tuple[dict, dict]:
+    """One iteration run eagerly (``force_eager``: compiled code is seen too) under
+    :class:`labkit.watch`, the rollout and the learn apart: what each made, moved, cloned and
+    computed by call site (``watch``'s ``calls``: ``no_device``, ``from_data``,
+    ``host_to_device``, ``clone``, ``convolution``, ``matmul``). The learn's also hold what each
+    ``optimizer.step()`` launches (:func:`~labkit.doctor.meters.step_launches`)."""
+    with torch.compiler.set_stance("force_eager"):
+        with watch(pipe.device) as w_roll:
+            batch = pipe.rollout()
+        with watch(pipe.device) as w_learn, step_launches(pipe.optimizer) as launched:
+            pipe.learn(batch)
+    synchronize(pipe.device)
+    return dict(w_roll.calls), {**w_learn.calls, **launched}
 
 
 def _baseline_ops(twin: Stage, cfg: RunConfig, device: torch.device,

@@ -117,8 +117,7 @@ _MODULE_SLOT = {short_path(module.__file__): slot for module, slot in (
 
 #: (ops, label) compared with the clean stage for ``excess_ops``.
 _EXCESS = ((("clone",), "clones"),
-           (("convolution", "linear", "matmul"), "model work (convolutions, linear layers, "
-                                                 "matmuls)"))
+           (("convolution", "matmul"), "model work (convolutions, matrix multiplies)"))
 
 
 _USER_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
@@ -235,8 +234,8 @@ def _group_sites(sites_roll: Counter, sites_learn: Counter, n_steps: int, parts:
 
 
 #: The doctor's kinds of host tensor, each {meter key: label}.
-ALLOCATIONS = {"no_device": {"no_device": "tensor factory without device=",
-                             "cpu_tensor": "CPU tensor made on a CUDA run"},
+ALLOCATIONS = {"no_device": {"no_device": "host tensor made by a factory without device="},
+               "from_data": {"from_data": "tensor made from Python or NumPy data"},
                "host_to_device": {"host_to_device": "host-to-device copy"}}
 
 

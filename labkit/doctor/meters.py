@@ -1,122 +1,25 @@
-"""What the doctor measures besides time: calls by site under a function watch (tensor
-factories, copies, clones, the model's layers), the kernels each optimizer step launches, host
-reads by call site (device reads apart from host-scalar reads), memory held and alive, and
-dynamo's counters; :class:`Measurements` holds one diagnosis' worth."""
+"""What the doctor measures besides time and :func:`labkit.watch`'s counts: the kernels each
+optimizer step launches, host reads by call site (device reads apart from host-scalar reads),
+memory held and alive, and dynamo's counters; :class:`Measurements` holds one diagnosis'
+worth."""
 from __future__ import annotations
 
 import gc
 import os
-import sys
-from collections import Counter, defaultdict, deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode, resolve_name
 
 from ..device import synchronize
 from ..measure.profiling import launches
 from ..measure.syncmeter import SyncMeter, call_site
 from ..stages import Pipeline
 
-_FACTORIES = {f"torch.{n}" for n in (
-    "zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "linspace", "logspace",
-    "eye", "rand", "randn", "randint", "randperm", "empty_strided", "scalar_tensor")}
-
-
-_MOVES = {"torch.Tensor.to", "torch.Tensor.cuda", "torch.Tensor.copy_"}
-
-
-_CLONES = {"torch.Tensor.clone", "torch.clone"}
-
-
-#: Model work by the name the doctor counts it under.
-_LAYERS = {"torch.conv2d": "convolution", "torch.nn.functional.conv2d": "convolution",
-           "torch._C._nn.linear": "linear", "torch.nn.functional.linear": "linear",
-           "torch.matmul": "matmul", "torch.mm": "matmul", "torch.bmm": "matmul",
-           "torch.Tensor.__matmul__": "matmul", "torch.Tensor.matmul": "matmul"}
-
-
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_NAMES: dict = {}
-
-
-def _name(func: Any) -> str:
-    """``resolve_name(func)``, once per function (torch's wraps each call in a warnings filter:
-    ~10 us, paid per op while a watch is on otherwise)."""
-    try:
-        return _NAMES[func]
-    except KeyError:
-        _NAMES[func] = name = resolve_name(func) or ""
-        return name
-    except TypeError:  # not hashable
-        return resolve_name(func) or ""
-
-
-class Watch(TorchFunctionMode):
-    """Counts, by call site: tensor factories that leave the device out (or, on CUDA, make CPU
-    tensors), host-to-device copies, clones made by labkit or user code (not those torch makes
-    inside its own functions), and the model's layers and matmuls (under ``convolution``,
-    ``linear`` and ``matmul``: a layer's call site is the line that called the module)."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.cuda = device.type == "cuda"
-        self.counts: dict[str, Counter] = defaultdict(Counter)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if torch.compiler.is_compiling():  # dynamo traces the code: the mode adds nothing
-            return func(*args, **(kwargs or {}))
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = _name(func)
-        if name in _FACTORIES:
-            self._factory(name, args, kwargs, out)
-        elif name in _MOVES and self.cuda:
-            src, dst = (args[1], args[0]) if name == "torch.Tensor.copy_" else (args[0], out)
-            if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) \
-                    and src.device.type == "cpu" and dst.device.type == "cuda":
-                self.counts["host_to_device"][call_site(1)] += 1
-        elif name in _CLONES:
-            site = call_site(1)
-            if " via " not in site:  # a clone inside torch's own code is not the code's
-                self.counts["clone"][site] += 1
-        elif name in _LAYERS:
-            self.counts[_LAYERS[name]][call_site(1)] += 1
-        return out
-
-    def _factory(self, name: str, args: tuple, kwargs: dict, out: object) -> None:
-        caller = sys._getframe(2)
-        if caller.f_code.co_filename.startswith(TORCH_DIR) or kwargs.get("pin_memory"):
-            return  # torch's own internals; a pinned buffer is host memory on purpose
-        if name in ("torch.tensor", "torch.as_tensor") and args \
-                and isinstance(args[0], torch.Tensor):
-            return  # keeps its input's device
-        site = call_site(2)
-        if not self.cuda:
-            if "device" not in kwargs:
-                self.counts["no_device"][site] += 1
-        elif isinstance(out, torch.Tensor):
-            if out.device.type == "cpu":
-                self.counts["cpu_tensor"][site] += 1
-            elif name in ("torch.tensor", "torch.as_tensor"):
-                self.counts["host_to_device"][site] += 1  # Python data copied to the GPU
-
-
-def watched(pipe: Pipeline) -> tuple[dict, dict]:
-    """One iteration run eagerly under :class:`Watch`: (rollout counts, learn counts). The
-    learn counts also hold what each ``optimizer.step()`` launches (:func:`step_launches`):
-    ``optimizer_step`` (calls, by call site) and ``launch`` (kernel launches, by aten op)."""
-    with torch.compiler.set_stance("force_eager"):
-        with Watch(pipe.device) as w_roll:
-            batch = pipe.rollout()
-        with Watch(pipe.device) as w_learn, step_launches(pipe.optimizer) as launched:
-            pipe.learn(batch)
-    synchronize(pipe.device)
-    w_learn.counts.update(launched)
-    return w_roll.counts, w_learn.counts
 
 
 @contextmanager

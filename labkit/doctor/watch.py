@@ -55,19 +55,26 @@ from .meters import dynamo_state, rss_mb
 
 _OBSERVED: dict[int, tuple] = {}  # id(op) -> (op, name, counted, what it may make or move)
 _SPECIAL = {"aten::lift_fresh": "from_data", "aten::lift_fresh_copy": "from_data",
-            "aten::clone": "clone", "aten::_to_copy": "copy", "aten::copy_": "copy"}
+            "aten::clone": "clone", "aten::_to_copy": "copy", "aten::copy_": "copy",
+            "aten::convolution": "convolution", "aten::addmm": "matmul", "aten::mm": "matmul",
+            "aten::bmm": "matmul"}
+#: The model's forward work, counted by the line that called the module
+MODEL_WORK = ("convolution", "matmul")
 _SKIP_OPS = ("aten::view", "aten::_unsafe_view", "aten::detach", "aten::alias", "aten::t",
              "aten::transpose", "aten::expand", "aten::unsqueeze", "aten::squeeze",
              "aten::select", "aten::slice", "aten::permute", "aten::as_strided")
 
 
 class _OpCount(TorchDispatchMode):
-    """aten ops by name (views left out: no kernel) and, by call site, what the code made or
-    moved: tensors made from Python or NumPy data (``torch.tensor``, ``torch.Tensor(array)``:
+    """aten ops by name (views left out: no kernel) and, by call site, what the code made or moved:
+    tensors made from Python or NumPy data (``torch.tensor``, ``torch.Tensor(array)``:
     torch's ``lift_fresh``), factories that made a host tensor (no ``device=``, or the CPU
-    named), clones, and host-to-device copies. Told each op by the sync meter's host flow (it
-    knows which factories were born on the host), or a dispatch mode of its own where there
-    is no flow (a watch with ``device="cuda"``: a CPU tensor is then a host tensor)."""
+    named; a pinned buffer is host memory on purpose), clones, and host-to-device copies;
+    and the model's forward work (:data:`MODEL_WORK`: convolutions, matrix multiplies; the
+    backward's follow from them) by the line that called the module. Told each op by the
+    sync meter's host flow (it knows which factories were born on the host), or a dispatch
+    mode of its own where there is no flow (a watch with ``device="cuda"``: a CPU tensor is
+    then a host tensor)."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -77,7 +84,7 @@ class _OpCount(TorchDispatchMode):
         super().__init__()
         self.ops: Counter[str] = Counter()
         self.calls: dict[str, Counter] = {kind: Counter() for kind in (
-            "from_data", "no_device", "clone", "host_to_device")}
+            "from_data", "no_device", "clone", "host_to_device", *MODEL_WORK)}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -98,15 +105,22 @@ class _OpCount(TorchDispatchMode):
         if special == "from_data":
             kind = special
         elif born:
+            if name == "aten::scalar_tensor" or kwargs and kwargs.get("pin_memory"):
+                return  # a Python number torch wrapped for an op (torch.where(m, x, 0.0)), a
+                # 0-d CPU scalar on a GPU too; a pinned buffer: host memory on purpose
             kind = "no_device"
         elif special == "clone":
             kind = special
+        elif special in MODEL_WORK and torch._C._current_autograd_node() is None:
+            kind = special  # in a forward (a backward's ops run inside an autograd node)
         elif special == "copy" and _to_device(name, args, out):
             kind = "host_to_device"
         else:
             return
         site = call_site(internal=(__file__, hostflow.__file__))
-        if " via " not in site:  # made inside torch's own code: not the code's choice
+        if kind in MODEL_WORK:  # an nn.Module's op: the line that called the module
+            self.calls[kind][site.split(" via ")[0]] += 1
+        elif " via " not in site:  # made inside torch's own code: not the code's choice
             self.calls[kind][site] += 1
 
 
