@@ -36,11 +36,19 @@ class Tracer(TorchDispatchMode):
         self.where: list[str] = []
         self._made: dict[int, tuple[int, int]] = {}  # id(tensor) -> (op, output) in this call
         self._held: list[Any] = []
+        self.read: set[int] = set()  # the ops whose result the host read (.item(), bool())
+        self.results: set[int] = set()  # the ops whose result the call returned
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "profiler" or func.overloadpacket.__name__ in _READS:
-            return func(*args, **kwargs)  # a host read is no device work a graph would hold
+        if func.overloadpacket.__name__ in _READS:  # a host read is no device work a graph
+            for t in args:                          # would hold: what it read is noted
+                made = self._made.get(id(t)) if isinstance(t, torch.Tensor) else None
+                if made is not None:
+                    self.read.add(made[0])
+            return func(*args, **kwargs)
+        if func.namespace == "profiler":
+            return func(*args, **kwargs)
         self._held.append((args, kwargs))
         if func.overloadpacket.__name__ in _LIFTS:  # Python data made a tensor: its values
             self.ops.append((func, tuple(_data(v) for v in args), self._plain(kwargs)))
@@ -54,6 +62,14 @@ class Tracer(TorchDispatchMode):
             if isinstance(value, torch.Tensor):
                 self._made[id(value)] = (len(self.ops) - 1, i)
         return out
+
+    def returned(self, value: Any) -> None:
+        """The call returned ``value``: the ops that made its tensors are the call's results,
+        whoever else reads them."""
+        for leaf in _flat_args(value):
+            made = self._made.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+            if made is not None:
+                self.results.add(made[0])
 
     def site_of(self, tensor: torch.Tensor) -> str | None:
         """The line of the op that made ``tensor`` in the traced call (None: not made there,
@@ -92,35 +108,97 @@ def _data(value: Any) -> Any:
     return value
 
 
+def _for_the_host_only(trace: Tracer) -> set[int]:
+    """The ops whose results at most the host reads: they write nothing, the call does not
+    return what they make, and it goes nowhere or only into a host read or into other such ops
+    (``y.sum().item()`` for a log line; ``td.abs()`` passed to a logger that reads it only when
+    not capturing). Under ``if not torch.cuda.is_current_stream_capturing():``, torch's idiom
+    for work an eager call does and a capture skips, they change nothing a replay computes. (A
+    result kept in Python state and read by a later call is found there, as a tensor rebound
+    between calls.)"""
+    used: dict[int, set[int]] = {}
+    for j, op in enumerate(trace.ops):
+        for ref in _made_refs(op[1:]):
+            used.setdefault(ref, set()).add(j)
+    host_only: set[int] = set()
+    for j in range(len(trace.ops) - 1, -1, -1):
+        if used.get(j, set()) <= host_only and j not in trace.results \
+                and not _writes(trace.ops[j][0]):
+            host_only.add(j)
+    return host_only
+
+
+def _made_refs(value: Any) -> list[int]:
+    """The ops of this call whose results ``value`` (an op's plain arguments) takes."""
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == "made":
+        return [value[1][0]]
+    if isinstance(value, (list, tuple)):
+        return [j for v in value for j in _made_refs(v)]
+    if isinstance(value, dict):
+        return [j for v in value.values() for j in _made_refs(v)]
+    return []
+
+
+@functools.cache
+def _writes(func: Any) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write
+               for a in func._schema.arguments)
+
+
+def _renumbered(value: Any, new: dict[int, int]) -> Any:
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == "made":
+        return ("made", (new[value[1][0]], value[1][1]))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_renumbered(v, new) for v in value)
+    if isinstance(value, dict):
+        return {k: _renumbered(v, new) for k, v in value.items()}
+    return value
+
+
+def _device_work(trace: Tracer) -> tuple[list[tuple], list[str]]:
+    """(ops, their lines) of ``trace`` without the ops only the host reads, the ops' references
+    to each other renumbered to match."""
+    gone = _for_the_host_only(trace)
+    if not gone:
+        return trace.ops, trace.where
+    kept = [j for j in range(len(trace.ops)) if j not in gone]
+    new = {j: i for i, j in enumerate(kept)}
+    ops = [(trace.ops[j][0], *_renumbered(trace.ops[j][1:], new)) for j in kept]
+    return ops, [trace.where[j] for j in kept if j < len(trace.where)]
+
+
 def frozen_values(before: Tracer, capture: Tracer) -> list[Finding]:
     """What the capture froze that differs from the eager call before it: a Python value
     passed to an op (an index, a learning rate, a seed), a tensor made by an earlier call read
     in place of the one before (state rebound each call: replays read the warm-up's), or
-    other ops altogether (a Python branch)."""
-    for i, (b, c) in enumerate(zip(before.ops, capture.ops)):
+    other ops altogether (a Python branch). Ops whose results only the host reads are left
+    out of both (:func:`_for_the_host_only`)."""
+    (b_ops, b_where), (c_ops, c_where) = _device_work(before), _device_work(capture)
+    for i, (b, c) in enumerate(zip(b_ops, c_ops)):
         if b == c:
             continue
-        where = capture.where[i] if i < len(capture.where) else "<unknown>"
+        where = c_where[i] if i < len(c_where) else "<unknown>"
         if b[0] != c[0]:
-            return [Finding("frozen_value", _branch(before, capture, i) or where, (
+            return [Finding("frozen_value", _branch((c_where, b_where), i) or where, (
                 f"{CAUSES['frozen_branch']}: the call before ran {b[0]}, the capture {c[0]}"))]
         what = _first_change(b[1:], c[1:])
         return [Finding("frozen_value", where, f"{KINDS['frozen_value'].means}: {c[0]} {what}")]
-    if len(before.ops) != len(capture.ops):
-        i = min(len(before.ops), len(capture.ops))
-        where = capture.where[-1] if capture.where else "<unknown>"
-        return [Finding("frozen_value", _branch(before, capture, i) or where, (
-            f"{CAUSES['frozen_branch']}: the call before ran {len(before.ops)} ops, the "
-            f"capture {len(capture.ops)}"))]
+    if len(b_ops) != len(c_ops):
+        i = min(len(b_ops), len(c_ops))
+        where = c_where[-1] if c_where else "<unknown>"
+        return [Finding("frozen_value", _branch((c_where, b_where), i) or where, (
+            f"{CAUSES['frozen_branch']}: the call before ran {len(b_ops)} ops, the "
+            f"capture {len(c_ops)}"))]
     return []
 
 
-def _branch(before: Tracer, capture: Tracer, i: int) -> str | None:
+def _branch(lines: tuple[list[str], list[str]], i: int) -> str | None:
     """The ``if`` or ``while`` whose taken branch differs between the two calls: the innermost
-    one enclosing the first op that differs, in the capture or in the call before."""
-    for trace in (capture, before):
-        if i < len(trace.where):
-            found = _enclosing_branch(trace.where[i])
+    one enclosing the first op that differs, in the capture or in the call before (``lines``:
+    each call's op lines)."""
+    for where in lines:
+        if i < len(where):
+            found = _enclosing_branch(where[i])
             if found:
                 return found
     return None

@@ -141,6 +141,7 @@ def rehearse(fn: Callable[..., Any], *args: Any, replays: int = 2, warmup: int =
             with torch.cuda.graph(graph), Tracer(sites=True) as captured, \
                     _returning(fn) as returned:
                 out = fn(*static)
+                captured.returned(out)
             at_capture = _changed(before, python_state(fn))
             report.problems = list(r.problems)
             report.problems += _output_problems(warm, out, captured, returned[-1:] or [site])
@@ -179,6 +180,7 @@ def _warm_up(fn: Callable[..., Any], static: Any, warmup: int) -> tuple[Any, lis
         before = python_state(fn)
         with Tracer(sites=True) as tracer, _drawing(fn) as drawn:
             warm = fn(*static)
+            tracer.returned(warm)
         traces.append(tracer)
         python.append(_changed(before, python_state(fn)))
     return warm, traces, python, drawn

@@ -354,6 +354,58 @@ def _to_device_helper():
     return step, (torch.randn(8, 4, device=DEVICE), torch.randn(8, device=DEVICE))
 
 
+# ---------------------------------------------------------------- a read a capture skips
+
+
+@case("log_unless_capturing-loss_history", "clean", "capturable", src.CAPTURE_FLAG_READ,
+      family="log_unless_capturing", variant="quoted")
+def _log_guard():
+    net = helpers.mlp(4, 16, 1).to(DEVICE)
+    history: list[float] = []
+
+    def step(x, y):
+        loss = F.mse_loss(net(x), y)
+        if not torch.cuda.is_current_stream_capturing():
+            history.append(loss.item())
+        return loss.detach()
+
+    return step, (torch.randn(16, 4, device=DEVICE), torch.randn(16, 1, device=DEVICE))
+
+
+@case("log_unless_capturing-flag_and_print", "clean", "capturable", src.CAPTURE_FLAG_READ,
+      family="log_unless_capturing", variant="spelling")
+def _log_guard_flag():
+    def step(obs, act):
+        logits = obs @ torch.ones(4, 3, device=obs.device)
+        entropy = Categorical(logits=logits, validate_args=False).entropy()
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            print(f"entropy {float(entropy.mean()):.3f}, max {entropy.max().item():.3f}",
+                  end="\r")
+        return entropy, logits.gather(-1, act[:, None])
+
+    return step, (torch.randn(8, 4, device=DEVICE), torch.randint(0, 3, (8,), device=DEVICE))
+
+
+@case("log_unless_capturing-critic_progress", "clean", "capturable", src.CAPTURE_FLAG_READ,
+      family="log_unless_capturing", variant="method")
+def _log_guard_method():
+    return nets.LoggingCritic(4).to(DEVICE), (torch.randn(8, 4, device=DEVICE),)
+
+
+@case("log_unless_capturing-helper_log", "clean", "capturable", src.CAPTURE_FLAG_READ,
+      family="log_unless_capturing", variant="helper")
+def _log_guard_helper():
+    log: list = []
+
+    def step(q, target):
+        td = target - q
+        helpers.log_unless_capturing(log, "td", td.abs())
+        return td.square().mean()
+
+    return step, (torch.randn(16, device=DEVICE), torch.randn(16, device=DEVICE))
+
+
 @case("to_cpu-quoted", "clean", "refused", src.D2H, family="to_cpu", variant="quoted")
 def _to_cpu():
     def step(q):

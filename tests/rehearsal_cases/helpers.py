@@ -200,6 +200,12 @@ def update_unless_capturing(stats: torch.Tensor, x: torch.Tensor) -> torch.Tenso
     return x - stats
 
 
+def log_unless_capturing(log: list, name: str, value: torch.Tensor) -> None:
+    """Log a tensor's value from eager calls; a capture cannot wait for the read."""
+    if not torch.cuda.is_current_stream_capturing():
+        log.append((name, value.detach().float().mean().item()))
+
+
 # ---------------------------------------------------------------- host and device
 
 

@@ -445,6 +445,21 @@ class PortablePolicy(nn.Module):
         return self.net(obs.to(self.device, dtype=torch.float32))
 
 
+class LoggingCritic(nn.Module):
+    """A critic that keeps its last mean value for a progress bar, from eager calls only."""
+
+    def __init__(self, obs: int) -> None:
+        super().__init__()
+        self.net = mlp(obs, 32, 1)
+        self.last_value = float("nan")
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        value = self.net(obs).squeeze(-1)
+        if not torch.cuda.is_current_stream_capturing():
+            self.last_value = value.mean().item()
+        return value
+
+
 class HostCopyPolicy(nn.Module):
     """A policy that keeps a host copy of its last output for a dashboard."""
 

@@ -153,6 +153,10 @@ NESTED = ("an elementwise op on a nested tensor runs one kernel over its contigu
 CAPTURE_FLAG = ("torch.cuda.is_current_stream_capturing() is True only during the capture "
                 "(torch/cuda/graphs.py), so the guarded work is left out of the graph while "
                 f"eager calls do it: a replay never does ({TORCH_DOCS})")
+CAPTURE_FLAG_READ = ("torch.cuda.is_current_stream_capturing() is True only during the capture "
+                     "(torch/cuda/graphs.py): a host read it guards runs in eager calls and not "
+                     "at capture, and what it reads changes nothing a replay computes (the "
+                     f"read writes no tensor the graph holds) ({TORCH_DOCS})")
 INVALIDATED = ("the host read inside the try raises at capture and invalidates the capture: "
                f"cudaStreamEndCapture then fails and the graph is never made ({CUDA_GUIDE}: an "
                "illegal operation invalidates the capture)")
