@@ -171,6 +171,11 @@ CAUSES = {
                     "Python, so it stays where the capture left it)",
     "frozen_branch": "the capture ran other ops than the eager call before it (Python control "
                      "flow that changes between calls): every replay repeats the capture's",
+    "host_lr": "a fused optimizer given a learning rate that lives on the host reads it once, "
+               "when its kernel is launched (lr.item() in torch's CUDA code): the capture bakes "
+               "that value in, and a schedule that changes the tensor between replays changes "
+               "nothing (make the lr tensor on the device: lr=torch.tensor(1e-3, "
+               "device=device))",
     "pageable": "a host tensor copied to the device inside the capture: a copy from pageable "
                 "host memory, which a capture cannot record (copy it once, outside, into a "
                 "device tensor, and update that in place)",

@@ -38,6 +38,8 @@ def host_state(fn: Callable) -> list[tuple[torch.Tensor, str]]:
     for value, name, scope in _held(fn):
         if isinstance(value, dict):  # st = {"t": torch.zeros(())}: the entries made there
             found += _dict_on_host(value, scope, name)
+        if isinstance(value, torch.optim.Optimizer):  # Adam(params, lr=torch.tensor(1e-3))
+            found += _lr_on_host(value, scope, name)
         if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
             continue
         site = _made_on_host(scope, name)
@@ -61,6 +63,33 @@ def _dict_on_host(value: dict, scope: tuple, name: str) -> list[tuple[torch.Tens
                 made, lambda var: name_device(path, first, var) == "cpu"):
             found.append((held, f"{short_path(path)}:{made.lineno} ({name}[{key.value!r}])"))
     return found
+
+
+def _lr_on_host(optimizer: torch.optim.Optimizer, scope: tuple, name: str
+                ) -> list[tuple[torch.Tensor, str]]:
+    """The tensor learning rate of the optimizer assigned to ``name``, where the call that made
+    it was given one made on the host: ``lr=torch.tensor(1e-3)``, or ``lr=lr`` (``self.lr``)
+    with the name last assigned such a tensor in the same scope."""
+    assigned = _assignment(scope, name)
+    call = assigned[0].value if assigned is not None else None
+    if not isinstance(call, ast.Call):
+        return []
+    node, path, first = assigned
+    given = next((k.value for k in call.keywords if k.arg == "lr"),
+                 call.args[1] if len(call.args) > 1 else None)
+    if _host_constructor(given, lambda var: name_device(path, first, var) == "cpu"):
+        from ..measure.syncmeter import short_path
+
+        site = f"{short_path(path)}:{given.lineno} ({name}'s lr)"
+    elif isinstance(given, ast.Name):
+        site = _made_on_host(scope, given.id)
+    elif isinstance(given, ast.Attribute) and isinstance(given.value, ast.Name) \
+            and given.value.id == "self" and scope[0] == "class":
+        site = _made_on_host(scope, given.attr)
+    else:
+        return []
+    return [] if site is None else [(group["lr"], site) for group in optimizer.param_groups
+                                    if isinstance(group.get("lr"), torch.Tensor)]
 
 
 def python_state(fn: Callable) -> dict[str, Any]:

@@ -50,6 +50,10 @@ _META_INPLACE = {"squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swa
                  "as_strided_", "resize_", "resize_as_", "detach_"}
 #: Writes through an index (``x[i] = v``, ``index_put``).
 _INDEX_PUTS = {"index_put_", "index_put", "_index_put_impl_"}
+#: torch's fused optimizer steps: given a learning rate on the host, the CUDA kernel reads it
+#: once, at launch (``if (lr.is_cpu()) ... lr.item<double>()`` in aten/src/ATen/native/cuda/
+#: FusedAdamKernel.cu, FusedAdamWKernel.cu, FusedSgdKernel.cu)
+_FUSED_STEPS = {"_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"}
 #: Allocations: a replay keeps the buffer a capture made, so they are not re-run.
 _ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 #: Ops that may take a host tensor beside device tensors: copies between devices.
@@ -222,6 +226,10 @@ class Recorder(TorchDispatchMode):
             self._lifted(by_name.get("self"))
         if name in _INDEX_PUTS and self._masked_put(named):
             self._problem("dynamic_shape", f"{CAUSES['mask']}: {func}")
+        lr = by_name.get("lr")
+        if name in _FUSED_STEPS and isinstance(lr, torch.Tensor) and lr in self.host:
+            self._problem("frozen_value", f"{CAUSES['host_lr']} (made at {self.host[lr]}): "
+                                          f"{func}")
         synced = in_kernel_sync(name, by_name)
         if synced:
             self._problem("kernel_sync", f"{synced}: {func}")

@@ -166,6 +166,68 @@ def _float_lr_helper():
     return step, batch
 
 
+# ------------------------------------------ a fused optimizer's learning rate on the host
+
+
+@case("fused_host_lr-adam_tensor_lr", "frozen_value", "replays_differ", src.FUSED_HOST_LR,
+      family="fused_host_lr", variant="quoted")
+def _fused_host_lr():
+    net = helpers.mlp(4, 16, 1).to(DEVICE)
+    lr = torch.tensor(3e-4, device="cpu")
+    opt = torch.optim.Adam(net.parameters(), lr=lr, fused=True, capturable=True)
+
+    def step(x, y):
+        loss = F.mse_loss(net(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()  # HAZARD
+        return loss.detach()
+
+    return step, (torch.randn(32, 4, device=DEVICE), torch.randn(32, 1, device=DEVICE))
+
+
+@case("fused_host_lr-adamw_inline_full", "frozen_value", "replays_differ", src.FUSED_HOST_LR,
+      family="fused_host_lr", variant="spelling")
+def _fused_host_lr_inline():
+    policy = helpers.mlp(6, 32, 3).to(DEVICE)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=torch.full((), 1e-3),
+                                  weight_decay=0.01, fused=True, capturable=True)
+
+    def step(obs, act, adv):
+        logp = torch.log_softmax(policy(obs), -1).gather(-1, act[:, None]).squeeze(-1)
+        loss = -(logp * adv).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()  # HAZARD
+        return loss.detach()
+
+    return step, (torch.randn(16, 6, device=DEVICE), torch.randint(0, 3, (16,), device=DEVICE),
+                  torch.randn(16, device=DEVICE))
+
+
+@case("fused_host_lr-annealed_critic", "frozen_value", "replays_differ", src.FUSED_HOST_LR,
+      family="fused_host_lr", variant="method", hazard=nets.AnnealedCritic.update)
+def _fused_host_lr_method():
+    critic = nets.AnnealedCritic(4, 3e-4)
+    critic.v.to(DEVICE)
+    return critic.update, (torch.randn(32, 4, device=DEVICE), torch.randn(32, device=DEVICE))
+
+
+@case("fused_host_lr-helper_step", "frozen_value", "replays_differ", src.FUSED_HOST_LR,
+      family="fused_host_lr", variant="helper", hazard=helpers.apply_gradients)
+def _fused_host_lr_helper():
+    net = helpers.mlp(4, 16, 1).to(DEVICE)
+    base_lr = torch.tensor(1e-3, device="cpu")
+    opt = torch.optim.Adam(net.parameters(), lr=base_lr, fused=True, capturable=True)
+
+    def step(x, y):
+        loss = F.smooth_l1_loss(net(x), y)
+        helpers.apply_gradients(opt, loss)
+        return loss.detach()
+
+    return step, (torch.randn(32, 4, device=DEVICE), torch.randn(32, 1, device=DEVICE))
+
+
 @case("device_lr-inplace_decay", "frozen_value", "capturable",
       "the learning rate is a device tensor decayed in place: the decay is a recorded "
       "kernel, replayed every time. " + src.CLEAN)

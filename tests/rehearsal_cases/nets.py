@@ -143,6 +143,27 @@ class DQNAgent:
         return loss.detach()
 
 
+class AnnealedCritic:
+    """A critic trained by a fused capturable Adam whose learning rate a schedule anneals
+    between updates, the tensor kept on the host."""
+
+    def __init__(self, obs: int, lr: float) -> None:
+        self.v = mlp(obs, 32, 1)
+        self.lr = torch.tensor(lr, device="cpu")
+        self.opt = torch.optim.Adam(self.v.parameters(), lr=self.lr, fused=True,
+                                    capturable=True)
+
+    def anneal(self, frac: float) -> None:
+        self.lr.fill_(3e-4 * (1.0 - frac))
+
+    def update(self, obs: torch.Tensor, ret: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(self.v(obs).squeeze(-1), ret)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()  # HAZARD
+        return loss.detach()
+
+
 # ---------------------------------------------------------------- class 3: frozen values
 
 

@@ -69,6 +69,7 @@ QUOTED: dict[str, str] = {
     "repeat_interleave_output_size": "repeat_interleave(..., output_size=8) is clean",
     "repeat_interleave_inferred": "repeat_interleave without output_size (its twin)",
     "portable_to_device": "obs.to(device), device = 'cuda' if ... else 'cpu', is clean",
+    "fused_host_lr": "Adam(fused=True, capturable=True) given a tensor lr on the host",
     "log_unless_capturing": "a host read skipped under is_current_stream_capturing() is clean",
     "to_cpu": ".to('cpu') of a device tensor (its twin)",
     "static_int_output": "return y, x.shape[0] is clean",

@@ -153,6 +153,12 @@ NESTED = ("an elementwise op on a nested tensor runs one kernel over its contigu
 CAPTURE_FLAG = ("torch.cuda.is_current_stream_capturing() is True only during the capture "
                 "(torch/cuda/graphs.py), so the guarded work is left out of the graph while "
                 f"eager calls do it: a replay never does ({TORCH_DOCS})")
+FUSED_HOST_LR = ("aten/src/ATen/native/cuda/FusedAdamKernel.cu, FusedAdamWKernel.cu, "
+                 "FusedSgdKernel.cu: given a tensor lr with lr.is_cpu(), the fused step calls "
+                 "the kernel with lr.item<double>(), read on the host at launch: a capture "
+                 "records the value read then, so annealing the tensor between replays changes "
+                 "nothing (torch/optim/adam.py _fused_adam moves only a device lr between "
+                 "devices)")
 CAPTURE_FLAG_READ = ("torch.cuda.is_current_stream_capturing() is True only during the capture "
                      "(torch/cuda/graphs.py): a host read it guards runs in eager calls and not "
                      "at capture, and what it reads changes nothing a replay computes (the "
