@@ -92,16 +92,7 @@ def train(cfg: TrainConfig | None, out: str | Path | NewFolder, *, resume: bool 
     checkpoints hold every rank's envs (a stop signal keeps the last scheduled checkpoint:
     ranks stopped mid-iteration cannot agree on a newer one).
     """
-    if cfg is not None and not isinstance(cfg, TrainConfig):
-        raise TypeError(f"cfg must be a TrainConfig (TrainConfig.flat(n_envs=8, ...)) or None "
-                        f"with resume=True, got {type(cfg).__name__}")
-    if isinstance(out, bool) or not isinstance(out, (str, os.PathLike, NewFolder)):
-        raise TypeError(f"out must be a folder path (str or Path), got {type(out).__name__}")
-    if stop_after is not None:
-        check_int("stop_after", stop_after, 1)
-    if not isinstance(remember_choices, bool):
-        raise TypeError(f"remember_choices must be True or False, got "
-                        f"{type(remember_choices).__name__}")
+    _check_arguments(cfg, out, stop_after, remember_choices)
     group = current()
     if group.world > 1:  # the process group's backend depends on the device type
         if isinstance(out, NewFolder):
@@ -131,6 +122,20 @@ def train(cfg: TrainConfig | None, out: str | Path | NewFolder, *, resume: bool 
         # kernel: the next run fails in its first backward). scripts/stop_sweep.py found it.
         torch.set_grad_enabled(grad)
         leave(group)
+
+
+def _check_arguments(cfg: Any, out: Any, stop_after: Any, remember_choices: Any) -> None:
+    """train()'s arguments of the wrong type or range: a clear error naming each."""
+    if cfg is not None and not isinstance(cfg, TrainConfig):
+        raise TypeError(f"cfg must be a TrainConfig (TrainConfig.flat(n_envs=8, ...)) or None "
+                        f"with resume=True, got {type(cfg).__name__}")
+    if isinstance(out, bool) or not isinstance(out, (str, os.PathLike, NewFolder)):
+        raise TypeError(f"out must be a folder path (str or Path), got {type(out).__name__}")
+    if stop_after is not None:
+        check_int("stop_after", stop_after, 1)
+    if not isinstance(remember_choices, bool):
+        raise TypeError(f"remember_choices must be True or False, got "
+                        f"{type(remember_choices).__name__}")
 
 
 def _stopped_before_training(stop: BaseException, out: Path | None) -> str:
