@@ -38,6 +38,7 @@ import json
 import logging
 import re
 import sys
+import textwrap
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -209,13 +210,20 @@ class WatchReport:
             total, per = f.evidence["total"], f.evidence["per_iteration"]
             n = f"{per:.4g}" if per is not None else f"{total}"
             lines.append(f"  {f.kind:<17} {n:>6} at {f.where}")
-            lines.append(f"  {'':<17} {'':>6}   {f.summary}; fix: chapter {f.chapter}")
+            lines += _wrapped(f.summary) + _wrapped(f"fix: chapter {f.chapter}")
         if len(self.findings) > len(shown):
             lines.append(f"  ... {len(self.findings) - len(shown)} more (--json lists all)")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
     __str__ = format
+
+
+def _wrapped(text: str, indent: int = 29, width: int = 96) -> list[str]:
+    """``text`` as the report's indented lines, none wider than ``width``."""
+    return textwrap.wrap(text, width, initial_indent=" " * indent,
+                         subsequent_indent=" " * (indent + 2), break_on_hyphens=False,
+                         break_long_words=False)
 
 
 class watch:  # noqa: N801 - a context manager, used like torch's
