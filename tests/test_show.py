@@ -1,7 +1,7 @@
 """The chapters' helpers: labkit's own source, what a stage changes, profiler tables."""
 import pytest
 
-from labkit.book.show import changed_slots, diff, reads_table, source, stage_table
+from labkit.book.show import changed_slots, diff, reads_table, say, source, stage_table
 from labkit.capture import warmup
 from labkit.config import RunConfig
 from labkit.measure.profiling import op_counts, profile_calls, top_ops
@@ -119,3 +119,12 @@ def test_ladder_bar_labels_clear_the_error_bars_and_a_skipped_note_stays_inside(
     note = labels["skipped: needs CUDA"].get_window_extent()
     box = ax.get_window_extent()
     assert box.x0 <= note.x0 and note.x1 <= box.x1 and box.y0 <= note.y0 and note.y1 <= box.y1
+
+
+def test_say_wraps_a_computed_sentence_to_the_page_and_keeps_its_words(capsys):
+    sentence = "stage 4 ran at 1.06x stage 3's median env steps/s (2,864 vs 2,709); " * 5
+    say("* " + sentence, "\nshort")
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 96 and lines[-1] == "short"
+    assert all(line.startswith("  ") for line in lines[1:-1])  # under the bullet
+    assert " ".join(line.strip() for line in lines[:-1]) == ("* " + sentence).strip()

@@ -203,6 +203,18 @@ def rows_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def say(*parts: Any, width: int = 96) -> None:
+    """``print(*parts)``, each line wrapped at ``width`` columns: a sentence computed from
+    measurements can run to hundreds, and the book's page is about 100 wide. A line that starts
+    with ``* `` or ``- `` keeps its text indented under the bullet."""
+    lines = []
+    for line in " ".join(str(p) for p in parts).split("\n"):
+        lead = len(line) - len(line.lstrip()) + (2 if line.lstrip()[:2] in ("* ", "- ") else 0)
+        lines += textwrap.wrap(line, width, subsequent_indent=" " * lead, break_on_hyphens=False,
+                               break_long_words=False) or [""]
+    print("\n".join(lines))
+
+
 def check(claim: str, value: bool | dict) -> None:
     """A compared check in a chapter: print ``claim: value`` (nbval compares the line) and
     raise if it does not hold, so a broken lesson fails the notebook instead of being stored

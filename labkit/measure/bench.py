@@ -23,6 +23,7 @@ import gc
 import resource
 import signal
 import statistics
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -516,7 +517,8 @@ def ladder_notes(result: dict) -> str:
     if result.get("interrupted"):
         lines.append(f"PARTIAL: interrupted by {result['interrupted']}; what is not listed did "
                      "not run")
-    return "\n".join(lines)
+    return "\n".join(textwrap.fill(line, 96, subsequent_indent="  ", break_on_hyphens=False,
+                                   break_long_words=False) for line in lines)
 
 
 def format_noise(result: dict) -> str:
