@@ -141,8 +141,9 @@ def _made_refs(value: Any) -> list[int]:
 
 @functools.cache
 def _writes(func: Any) -> bool:
-    return any(a.alias_info is not None and a.alias_info.is_write
-               for a in func._schema.arguments)
+    """``func`` writes a tensor argument, or draws from a generator (moves its state)."""
+    return torch.Tag.nondeterministic_seeded in func.tags or any(
+        a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 
 def _renumbered(value: Any, new: dict[int, int]) -> Any:
