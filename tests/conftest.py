@@ -94,9 +94,13 @@ def pytest_configure(config):
     _stops_at_their_defaults()
 
 
-#: The stop signals and what a process that ignores none of them has for each.
+def _unheard(signum, frame) -> None:
+    """SIGHUP under nohup: heard, and let pass (the suite goes on when its terminal closes)."""
+
+
+#: The stop signals, and what the suite handles each with if it started ignoring it.
 _STOP_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL,
-                  signal.SIGHUP: signal.SIG_DFL}
+                  signal.SIGHUP: _unheard}
 
 
 def _stops_at_their_defaults() -> None:
@@ -104,10 +108,12 @@ def _stops_at_their_defaults() -> None:
     (which inherit an ignored signal). A suite started under ``nohup`` has SIGHUP ignored, one
     started as a shell's background job SIGINT; labkit keeps a stop ignored at start ignored
     (``labkit.signals``), so those tests would pass or fail by how the suite was started. The
-    suite starts with each stop at its default, whatever started it."""
-    for sig, default in _STOP_DEFAULTS.items():
+    suite handles each stop it started ignoring: the processes it starts begin with it at its
+    default (exec resets a handler, not an ignored signal), and labkit takes it over in this
+    process; a hangup still does not end a suite started under nohup."""
+    for sig, handler in _STOP_DEFAULTS.items():
         if signal.getsignal(sig) is signal.SIG_IGN:
-            signal.signal(sig, default)
+            signal.signal(sig, handler)
 
 
 @pytest.fixture(autouse=True)

@@ -109,21 +109,22 @@ def _data(value: Any) -> Any:
 
 
 def _for_the_host_only(trace: Tracer) -> set[int]:
-    """The ops whose results at most the host reads: they write nothing, the call does not
-    return what they make, and it goes nowhere or only into a host read or into other such ops
-    (``y.sum().item()`` for a log line; ``td.abs()`` passed to a logger that reads it only when
-    not capturing). Under ``if not torch.cuda.is_current_stream_capturing():``, torch's idiom
-    for work an eager call does and a capture skips, they change nothing a replay computes. (A
-    result kept in Python state and read by a later call is found there, as a tensor rebound
-    between calls.)"""
+    """The ops whose results only the host reads: they write nothing and draw nothing, the
+    call does not return what they make, and it goes into a host read or into other such ops
+    (``y.sum().item()`` for a log line). Under ``if not
+    torch.cuda.is_current_stream_capturing():``, torch's idiom for work an eager call does and
+    a capture skips, they change nothing a replay computes. An op whose result goes nowhere
+    the tracer sees is kept: it may be state the call keeps (``stats["total"] =
+    stats["total"] + r.sum()``), which a replay would freeze."""
     used: dict[int, set[int]] = {}
     for j, op in enumerate(trace.ops):
         for ref in _made_refs(op[1:]):
             used.setdefault(ref, set()).add(j)
     host_only: set[int] = set()
     for j in range(len(trace.ops) - 1, -1, -1):
-        if used.get(j, set()) <= host_only and j not in trace.results \
-                and not _writes(trace.ops[j][0]):
+        users = used.get(j, set())
+        if (j in trace.read or users) and users <= host_only \
+                and j not in trace.results and not _writes(trace.ops[j][0]):
             host_only.add(j)
     return host_only
 

@@ -262,6 +262,18 @@ def _rebound_dict():
     return step, (torch.randn(16, 4, device=DEVICE),)
 
 
+@case("rebound-running_total_unread", "frozen_value", "replays_differ", src.REBOUND,
+      family="rebound_state", variant="spelling")
+def _rebound_unread():
+    totals = {"reward": torch.zeros((), device=DEVICE)}
+
+    def step(obs, reward):
+        totals["reward"] = totals["reward"] + reward.sum()  # HAZARD
+        return obs * 2
+
+    return step, (torch.randn(8, 4, device=DEVICE), torch.randn(8, device=DEVICE))
+
+
 @case("rebound-running_max", "frozen_value", "replays_differ", src.REBOUND,
       family="rebound_state", variant="spelling")
 def _rebound_max():
