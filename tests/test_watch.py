@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import linecache
+import math
 import os
 import re
 import subprocess
@@ -487,3 +488,17 @@ def test_a_script_that_forks_gets_one_report_saying_so(tmp_path):
     assert done.stdout.count('"iterations"') == 1  # one report
     assert report["iterations"] == 2
     assert "the script forked 1 process(es): only this one is watched" in report["notes"]
+
+
+def test_a_python_number_torch_wraps_is_no_host_factory_but_a_scalar_tensor_call_is():
+    """``torch.where(m, x, 0.0)`` wraps 0.0 in a 0-d CPU tensor (aten::scalar_tensor): torch's
+    doing, a CUDA kernel's argument on a GPU, not a factory of the code's. The same op called
+    by name in the code is one."""
+    done, x = torch.tensor([True, False], device="cpu"), torch.ones(2)
+    with watch("cpu") as w:
+        torch.where(done, x, 0.0).amin()
+        torch.where(done, x, math.inf)
+        torch.scalar_tensor(3.0)  # the code's own factory, no device named
+    (site,) = w.calls["no_device"]
+    assert w.calls["no_device"][site] == 1 and "scalar_tensor" in linecache.getline(
+        __file__, int(site.split(" ")[0].rpartition(":")[2]))

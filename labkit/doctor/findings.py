@@ -234,7 +234,8 @@ def _group_sites(sites_roll: Counter, sites_learn: Counter, n_steps: int, parts:
 
 
 #: The doctor's kinds of host tensor, each {meter key: label}.
-ALLOCATIONS = {"no_device": {"no_device": "host tensor made by a factory without device="},
+ALLOCATIONS = {"no_device": {"no_device": "host tensor made by a factory that names no "
+                                          "device (or the CPU)"},
                "from_data": {"from_data": "tensor made from Python or NumPy data"},
                "host_to_device": {"host_to_device": "host-to-device copy"}}
 

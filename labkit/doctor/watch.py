@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..measure import hostflow
 from ..measure.kernels import compiled_kernels
-from ..measure.syncmeter import SyncMeter, call_site, short_path
+from ..measure.syncmeter import SyncMeter, call_site, short_path, source_line
 from .kinds import KINDS, Finding
 from .meters import dynamo_state, rss_mb
 
@@ -106,9 +106,8 @@ class _OpCount(TorchDispatchMode):
         if special == "from_data":
             kind = special
         elif born:
-            if name == "aten::scalar_tensor" or kwargs and kwargs.get("pin_memory"):
-                return  # a Python number torch wrapped for an op (torch.where(m, x, 0.0)), a
-                # 0-d CPU scalar on a GPU too; a pinned buffer: host memory on purpose
+            if kwargs and kwargs.get("pin_memory"):
+                return  # a pinned buffer: host memory on purpose
             kind = "no_device"
         elif special == "clone":
             kind = special
@@ -119,10 +118,21 @@ class _OpCount(TorchDispatchMode):
         else:
             return
         site = call_site(internal=(__file__, hostflow.__file__))
+        if name == "aten::scalar_tensor" and not _spelled(site, "scalar_tensor"):
+            return  # a Python number torch wrapped for an op (torch.where(m, x, 0.0)): a 0-d
+            # CPU scalar on a GPU too, which CUDA kernels take as an argument
+        if site == "<unknown>" and torch._C._current_autograd_node() is not None:
+            return  # autograd's own work on its device threads (AccumulateGrad's clone)
         if kind in MODEL_WORK:  # an nn.Module's op: the line that called the module
             self.calls[kind][site.split(" via ")[0]] += 1
         elif " via " not in site:  # made inside torch's own code: not the code's choice
             self.calls[kind][site] += 1
+
+
+def _spelled(site: str, word: str) -> bool:
+    """The source line of call site ``site`` (``file:line (function)``) has ``word`` in it."""
+    path, _, rest = site.partition(" ")[0].rpartition(":")
+    return rest.isdigit() and word in source_line(path, int(rest))
 
 
 def _to_device(name: str, args: tuple, out: Any) -> bool:
