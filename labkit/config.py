@@ -157,10 +157,15 @@ class BenchConfig:
     stage_timeout_s: float = 120.0
     """A stage stops adding rounds once this much of its time was spent (3 rounds run, or all
     if fewer)."""
+    loop_steps_bound: int = 8192
+    """Env steps an iteration at most for a stage whose env steps one env at a time in Python
+    (stages 0 and 2): at a larger N x T its ladder row is timed over whole iterations (rollout
+    and update) of fewer steps per env, the bound said in the row."""
 
     def __post_init__(self) -> None:
         check_type("run", self.run, RunConfig)
         check_int("iterations", self.iterations, 2, 10_000)
+        check_int("loop_steps_bound", self.loop_steps_bound, 1)
         if not isinstance(self.scaling_n_envs, tuple):
             raise TypeError(f"scaling_n_envs must be a tuple of ints, got "
                             f"{type(self.scaling_n_envs).__name__}")

@@ -196,6 +196,12 @@ class Stage:
         """Worth sweeping over N: its env steps every env in one batch of device ops."""
         return getattr(self.env, "vectorized_on_device", False)
 
+    @property
+    def one_env_at_a_time(self) -> bool:
+        """Its env steps one env at a time in a Python loop (stages 0 and 2): an iteration's
+        time grows with N x T on the host, whatever the device."""
+        return getattr(self.env, "one_env_at_a_time", False)
+
 
 def _ladder() -> tuple[Stage, ...]:
     s0 = Stage(0, "python_loop", "naive baseline: per-env objects, forwards and .item()",

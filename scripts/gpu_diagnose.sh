@@ -24,7 +24,10 @@
 #   update    bench-update at the 32,768-sample minibatch, with its floor
 #   obs       stage 8 at N=16,384 (the update most of an iteration), observations stored
 #             float32 then uint8 (--obs-storage, bit-identical results): what a quarter of
-#             the observation bytes saves the update; last, as a cut stay loses least here
+#             the observation bytes saves the update
+#   bounded   stages 0 and 2 at the ladder's N over whole iterations of at most 8,192 env
+#             steps (--loop-steps-bound; T=8 at N=1024), stage 8 beside them in the same run:
+#             the final / stage 0 ratio; last, as a cut stay loses least here
 # The results and logs are packed into $OUT/gpu-diagnose.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,10 +39,10 @@ OUT=${OUT:-/tmp/labkit-gpu-out}
 R="$OUT/diagnose"
 mkdir -p "$R"
 if [ "${SMALL:-0}" = 1 ]; then  # the dry run: every line at a size a CPU does in seconds
-    SWEEP="64 128" ENV_N="256 1024" N=64 T=8 ITERS=2 MB=256 S=120 BIG=128
+    SWEEP="64 128" ENV_N="256 1024" N=64 T=8 ITERS=2 MB=256 S=120 BIG=128 BOUND=128
 else
     SWEEP="1024 4096 16384 65536" ENV_N="65536 262144" N=1024 T=128 ITERS=10 MB=32768 S=150 \
-        BIG=16384
+        BIG=16384 BOUND=8192
 fi
 { nvidia-smi -L 2>/dev/null; python3 -c "import torch; print('torch', torch.__version__, \
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"; } > "$R/device.txt" 2>&1
@@ -73,5 +76,7 @@ for storage in float32 uint8; do
     step "obs-$storage" 90 $L --stages 8 --no-scaling --iterations 5 --n-envs "$BIG" \
         --obs-storage "$storage" --out "$R/ladder-obs-$storage"
 done
+step bounded "$S" $L --stages 0,2,8 --no-scaling --iterations 3 --n-envs "$N" \
+    --loop-steps-bound "$BOUND" --out "$R/ladder-bounded"
 tar czf "$OUT/gpu-diagnose.tar.gz" -C "$OUT" diagnose
 exit "$status"

@@ -45,3 +45,50 @@ def test_every_size_the_ladder_will_use_is_checked_first(tmp_path, capsys):
                               str(tmp_path)], capsys)
     assert code == 2 and "n_minibatches" in err and out == ""
     assert time.perf_counter() - start < 5 and list(tmp_path.iterdir()) == []
+
+
+def test_a_stage_stepping_one_env_at_a_time_is_bounded_to_whole_iterations_of_fewer_steps():
+    """Stages 0 and 2 step one env at a time in Python: at a GPU ladder's N x T an iteration
+    takes a minute. Their rows keep the ladder's N and take the largest T whose N x T keeps
+    within the bound and fills the minibatches; the vectorized stages keep the ladder's T."""
+    from labkit.config import BenchConfig
+    from labkit.measure.bench import bounded
+    from labkit.stages import get_stage
+
+    full = BenchConfig.from_profile("full")
+    loop, torch_loop, batched = (get_stage(s) for s in ("python_loop", "torch_state",
+                                                        "batched_ops"))
+    assert (full.run.n_envs, full.run.n_steps, full.loop_steps_bound) == (1024, 128, 8192)
+    assert bounded(loop, full).run.n_steps == 8 and bounded(torch_loop, full).run.n_steps == 8
+    assert bounded(loop, full).run.n_envs == 1024 and bounded(batched, full) is full
+    quick = BenchConfig.from_profile("quick")  # 32 x 64 = 2,048: within the bound
+    assert bounded(loop, quick) is quick
+    # 6 envs, 4 minibatches: T must be even; 20 // 6 = 3, so T = 2
+    odd = BenchConfig.from_profile("tiny", n_envs=6, n_steps=128, loop_steps_bound=20)
+    assert bounded(loop, odd).run.n_steps == 2
+    # N alone passes the bound: the fewest steps that fill the minibatches, not none
+    wide = BenchConfig.from_profile("tiny", n_envs=6, n_steps=128, loop_steps_bound=4)
+    assert bounded(loop, wide).run.n_steps == 2
+    with pytest.raises(ValueError, match="loop_steps_bound must be >= 1"):
+        BenchConfig.from_profile("tiny", loop_steps_bound=0)
+
+
+@pytest.mark.slow
+def test_the_ladder_times_a_bounded_stage_over_its_own_whole_iterations_and_says_so(
+        tmp_path, capsys):
+    code, out, _ = run_cli(["ladder", "--device", "cpu", "--stages", "0,2,3", "--n-envs", "4",
+                            "--n-steps", "8", "--iterations", "2", "--loop-steps-bound", "8",
+                            "--no-scaling", "--no-progress", "--out", str(tmp_path)], capsys)
+    assert code == 0, out
+    rows = json.loads((tmp_path / "ladder_cpu_quick.json").read_text())["ladder"]
+    assert [(r["name"], r["n_steps"], r["status"]) for r in rows] == [
+        ("python_loop", 2, "ok"), ("torch_state", 2, "ok"), ("batched_ops", 8, "ok")]
+    for r in rows[:2]:  # the rate is over whole iterations of its own steps, update included
+        assert r["steps_bound"] == {"env_steps": 8, "n_steps_of": 8}
+        assert r["sps"] == pytest.approx(4 * 2 / r["iteration_s"])
+        assert r["phase_ms"]["update"] > 0
+    assert "steps_bound" not in rows[2] and rows[2]["x_vs_stage0"] is not None
+    head = out.splitlines()[0].split()
+    assert head[:4] == ["#", "stage", "N", "T"]
+    assert ("bounded: 0 python_loop at T=2, 2 torch_state at T=2 of 8: a stage that steps one "
+            "env at a time") in " ".join(out.split())

@@ -223,7 +223,8 @@ def cmd_ladder(args: argparse.Namespace) -> int:
                                    ("conv_math", args.conv_math),
                                    ("compile_unit", args.compile_unit),
                                    ("capture_unit", args.capture_unit),
-                                   ("obs_storage", args.obs_storage))
+                                   ("obs_storage", args.obs_storage),
+                                   ("loop_steps_bound", args.loop_steps_bound))
                  if v is not None}
     if args.scaling_n_envs:
         overrides["scaling_n_envs"] = tuple(args.scaling_n_envs)
@@ -276,6 +277,7 @@ def _add_ladder(sub) -> None:
     field_flag(p, RunConfig, "n_steps", positive_int, default_note=profile)
     field_flag(p, BenchConfig, "iterations", int_at_least(2), default_note=profile)
     field_flag(p, BenchConfig, "scaling_n_envs", positive_int, nargs="+", default_note=profile)
+    field_flag(p, BenchConfig, "loop_steps_bound", positive_int)
     field_flag(p, RunConfig, "compile", str, choices=COMPILE_CHOICES)
     field_flag(p, RunConfig, "compile_unit", str, choices=COMPILE_UNITS)
     field_flag(p, RunConfig, "capture_unit", str, choices=CAPTURE_UNITS)

@@ -24,8 +24,10 @@ LEARNING_STAGES = ("numpy_vec", "async_logging", "fused_amp", "cuda_graphs")
 PART_BUDGET_MIN = 9.0
 #: Minutes per part of ``record --device cuda --profile full`` before any was measured:
 #: estimates from op counts and launch costs (reviews/gpu-first-run.md, "Time estimates"),
-#: not measurements. The record log replaces each one once its part has run.
-CUDA_FULL_ESTIMATES = {"ladder-0": 5.0, "ladder-2": 3.8, "ladder": 0.5,
+#: not measurements. The record log replaces each one once its part has run. Stages 0 and 2
+#: run at most ``BenchConfig.loop_steps_bound`` env steps an iteration (1/16 of N x T here):
+#: a minute each, where unbounded they ran past 4 and 5 minutes on an H100 without finishing.
+CUDA_FULL_ESTIMATES = {"ladder-0": 1.0, "ladder-2": 1.0, "ladder": 0.5,
                        "scaling-256": 1.0, "scaling-1024": 1.5, "scaling-4096": 2.0,
                        "scaling-16384": 2.5, "scaling-65536": 3.5, "bench_env": 0.5,
                        "learning": 2.5, "notebook-11": 3.0, "notebook": 2.0, "report": 0.1}

@@ -159,6 +159,9 @@ class ForagePyList(list):
     per-env Python objects of stage 0. It takes the same arguments as the vectorized envs
     (``device`` is unused: plain Python lives on the host) and checkpoints as one env."""
 
+    #: A Python loop steps each env in turn: the cost grows with N on the host.
+    one_env_at_a_time = True
+
     def __init__(self, n_envs: int, spec: ForageSpec | None = None, seed: int = 0,
                  device: object = None, env_offset: int = 0) -> None:
         super().__init__(ForagePy(spec, seed, env_index=env_offset + i)

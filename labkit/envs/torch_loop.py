@@ -22,6 +22,8 @@ class ForageTorchLoop:
     ``env_offset + i``."""
 
     vectorized_on_device = False
+    #: A Python loop steps each env in turn, reading the device inside it.
+    one_env_at_a_time = True
 
     def __init__(self, n_envs: int, spec: ForageSpec | None = None, seed: int = 0,
                  device: str | torch.device = "cpu", final_obs: bool = False,

@@ -391,20 +391,43 @@ def headline(result: dict) -> dict | None:
                                                                             "sps")}}
 
 
+def bounded(stage: Stage, cfg: BenchConfig) -> BenchConfig:
+    """``cfg`` for ``stage``'s ladder row: as it is, or for a stage that steps one env at a time
+    (stages 0 and 2, whose iterations grow on the host with N x T, minutes on a GPU at its
+    ladder's N) where N x T passes ``cfg.loop_steps_bound``, ``cfg`` at the same N with the
+    largest T whose N x T keeps within the bound and fills the minibatches (at least 1).
+    Its rate is still over whole iterations, rollout and update, of its own steps."""
+    run = cfg.run
+    if not stage.one_env_at_a_time or run.batch_size <= cfg.loop_steps_bound:
+        return cfg
+    fits = []
+    for t in range(1, run.n_steps + 1):
+        try:
+            run.ppo.check_batch(run.n_envs, t)
+        except ValueError:
+            continue
+        fits.append(t)
+    within = [t for t in fits if run.n_envs * t <= cfg.loop_steps_bound]
+    return cfg.replace(n_steps=max(within) if within else min(fits))
+
+
 def ladder_plan(cfg: BenchConfig, device: torch.device, stages: list | None = None,
-                scaling: bool = True, ladder: bool = True) -> list[tuple[Stage, BenchConfig]]:
-    """What ``run_ladder`` will measure, in order, every configuration checked (stage names,
-    minibatch divisibility, memory) before anything runs: the ladder rows (unless ``ladder``
-    is False), then the scaling rows (if ``scaling``)."""
+                scaling: bool = True, ladder: bool = True
+                ) -> list[tuple[str, Stage, BenchConfig]]:
+    """What ``run_ladder`` will measure, in order, as (section, stage, its config), every
+    configuration checked (stage names, minibatch divisibility, memory) before anything runs:
+    the ladder rows (unless ``ladder`` is False; a stage that steps one env at a time at
+    most ``cfg.loop_steps_bound`` env steps an iteration, see :func:`bounded`), then the
+    scaling rows (if ``scaling``)."""
     stages = [get_stage(s) for s in (stages if stages is not None else STAGES)]
     if not stages:
         raise ValueError("stages must name at least one stage")
-    todo = [(s, cfg) for s in stages] if ladder else []
+    todo = [("ladder", s, bounded(s, cfg)) for s in stages] if ladder else []
     if scaling:
         for n in cfg.scaling_n_envs:  # N by N: the stages at one N are measured together
             at_n = cfg.replace(n_envs=n)
-            todo += [(s, at_n) for s in stages if s.scales]
-    for s, c in todo:
+            todo += [("scaling", s, at_n) for s in stages if s.scales]
+    for _, s, c in todo:
         try:
             s.check(device, c.run)
         except StageSkipped as err:
@@ -448,7 +471,8 @@ def run_ladder(cfg: BenchConfig, device: torch.device, stages: list[Stage] | Non
     load_before, saved_threads = noise.load(), torch.get_num_threads()
     threads_note = noise.choose_threads(device, threads)
     try:
-        cal = calibration if calibration is not None else calibrate(device, [s for s, _ in todo])
+        cal = calibration if calibration is not None else calibrate(device,
+                                                                     [s for _, s, _ in todo])
         result = {"meta": run_metadata(device, profile), "config": cfg.to_dict(), **cal,
                   "threads": threads_note, "ladder": [], "scaling": []}
         _measure_plan(todo, cfg, device, cal, result, progress, on_row)
@@ -465,15 +489,16 @@ def run_ladder(cfg: BenchConfig, device: torch.device, stages: list[Stage] | Non
 
 def _measure_plan(todo: list, cfg: BenchConfig, device: torch.device, cal: dict, result: dict,
                   progress: Callable | None, on_row: Callable | None) -> None:
-    """Measure ``todo`` into ``result`` a group at a time (the ladder at its N, then each N of
-    the sweep), each group's stages interleaved; a stop keeps the groups that finished."""
-    groups: dict[tuple[str, int], tuple[BenchConfig, list]] = {}
-    for stage, c in todo:  # the plan's order: the ladder, then the sweep N by N
-        key = ("ladder" if c is cfg else "scaling", c.run.n_envs)
+    """Measure ``todo`` into ``result`` a group at a time (the ladder at its N, its stages
+    bounded to fewer steps apart, then each N of the sweep), each group's stages interleaved;
+    a stop keeps the groups that finished. A bounded row says its bound (``steps_bound``)."""
+    groups: dict[tuple[str, int, int], tuple[BenchConfig, list]] = {}
+    for section, stage, c in todo:  # the plan's order: the ladder, then the sweep N by N
+        key = (section, c.run.n_envs, c.run.n_steps)
         groups.setdefault(key, (c, []))[1].append(stage)
     done = 0
     try:
-        for (section, _), (c, stages) in groups.items():
+        for (section, _, _), (c, stages) in groups.items():
             if progress:
                 progress(done, len(todo), f"{len(stages)} stage(s) at N={c.run.n_envs}")
             # No pipeline is alive between groups: drop the compiled code of the groups before.
@@ -483,6 +508,9 @@ def _measure_plan(todo: list, cfg: BenchConfig, device: torch.device, cal: dict,
             torch.compiler.reset()
             for row in measure_stages(stages, c, device, peaks=cal["peaks"],
                                       lap_cost=cal["lap_cost_s"]):
+                if c.run.n_steps != cfg.run.n_steps:
+                    row["steps_bound"] = {"env_steps": cfg.loop_steps_bound,
+                                          "n_steps_of": cfg.run.n_steps}
                 result[section].append(row)
                 if on_row:
                     on_row(section, row, result)
@@ -514,6 +542,13 @@ def ladder_notes(result: dict) -> str:
     lines += [f"model math, {r['stage']} {r['name']}: "
               + describe_model_math(r["executor_choices"], r.get("conv_math"))
               for r in result["ladder"] if r.get("executor_choices")]
+    bound = [r for r in result["ladder"] if r.get("steps_bound") and r.get("status") == "ok"]
+    if bound:
+        lines.append(
+            "bounded: " + ", ".join(f"{r['stage']} {r['name']} at T={r['n_steps']}" for r in bound)
+            + f" of {bound[0]['steps_bound']['n_steps_of']}: a stage that steps one env at a "
+            f"time is timed over whole iterations (rollout and update) of at most "
+            f"{bound[0]['steps_bound']['env_steps']:,} env steps, at the ladder's N")
     if result.get("interrupted"):
         lines.append(f"PARTIAL: interrupted by {result['interrupted']}; what is not listed did "
                      "not run")

@@ -163,6 +163,9 @@ _NAME = Column("stage", "stage", lambda r: r["name"], 15, left=True)
 LADDER = Table((
     _INDEX, _NAME,
     Column("N", "N", lambda r: str(r["n_envs"]), 6),
+    # shown where a row was timed over fewer steps per env than the others (steps_bound)
+    Column("T", "T (steps per env an iteration)", lambda r: str(r["n_steps"]), 4,
+           only_with="steps_bound"),
     Column("sps", "env steps/s", lambda r: fmt(r["sps"]), 10),
     _SPREAD,
     Column("x st0", "x stage 0", lambda r: fmt(r.get("x_vs_stage0"), ".1f"), 6),
