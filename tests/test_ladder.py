@@ -69,6 +69,13 @@ def test_a_stage_stepping_one_env_at_a_time_is_bounded_to_whole_iterations_of_fe
     # N alone passes the bound: the fewest steps that fill the minibatches, not none
     wide = BenchConfig.from_profile("tiny", n_envs=6, n_steps=128, loop_steps_bound=4)
     assert bounded(loop, wide).run.n_steps == 2
+    # measured after the rows at the ladder's T, so a stay cut short keeps those
+    import torch
+
+    from labkit.measure.bench import ladder_plan
+    plan = ladder_plan(odd, torch.device("cpu"), stages=[0, 1, 2, 3], scaling=False)
+    assert [(s.index, c.run.n_steps) for _, s, c in plan] == [(1, 128), (3, 128), (0, 2),
+                                                               (2, 2)]
     with pytest.raises(ValueError, match="loop_steps_bound must be >= 1"):
         BenchConfig.from_profile("tiny", loop_steps_bound=0)
 

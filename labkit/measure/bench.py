@@ -417,12 +417,14 @@ def ladder_plan(cfg: BenchConfig, device: torch.device, stages: list | None = No
     """What ``run_ladder`` will measure, in order, as (section, stage, its config), every
     configuration checked (stage names, minibatch divisibility, memory) before anything runs:
     the ladder rows (unless ``ladder`` is False; a stage that steps one env at a time at
-    most ``cfg.loop_steps_bound`` env steps an iteration, see :func:`bounded`), then the
-    scaling rows (if ``scaling``)."""
+    most ``cfg.loop_steps_bound`` env steps an iteration, see :func:`bounded`, after the
+    others), then the scaling rows (if ``scaling``)."""
     stages = [get_stage(s) for s in (stages if stages is not None else STAGES)]
     if not stages:
         raise ValueError("stages must name at least one stage")
-    todo = [("ladder", s, bounded(s, cfg)) for s in stages] if ladder else []
+    rows = [("ladder", s, bounded(s, cfg)) for s in stages] if ladder else []
+    # the rows at the ladder's own T first: a stay cut short keeps those
+    todo = sorted(rows, key=lambda row: row[2] is not cfg)
     if scaling:
         for n in cfg.scaling_n_envs:  # N by N: the stages at one N are measured together
             at_n = cfg.replace(n_envs=n)
@@ -478,6 +480,7 @@ def run_ladder(cfg: BenchConfig, device: torch.device, stages: list[Stage] | Non
         _measure_plan(todo, cfg, device, cal, result, progress, on_row)
     finally:
         torch.set_num_threads(saved_threads)
+    result["ladder"].sort(key=lambda r: r["stage"])  # bounded rows were measured last
     add_ratios(result["ladder"])
     result["noise"] = noise.summary(result["ladder"] + result["scaling"], load_before,
                                     noise.load(), threads_note["cores"], threads_note)
