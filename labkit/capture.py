@@ -13,12 +13,20 @@ run real work they must take back, and all three use it:
 Restores write *in place*: compiled code and captured graphs hold the very tensors (parameters,
 optimizer moments, the LR, env state, rollout buffers), so a restore copies values into them
 instead of replacing them.
+
+A replay dispatches no op, so a count of launches sees one graph launch where the GPU runs
+every kernel the graph holds: a harness that counts kernels asks each capture to count its
+graph's (``counting_nodes``), and listens to the replays (``listening``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import warnings
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 import torch
@@ -122,6 +130,58 @@ def side_stream_warmup(fn: Callable[[], object], calls: int = WARMUP_CALLS) -> N
     torch.cuda.current_stream().wait_stream(stream)
 
 
+#: What counts the kernels a capture puts in its graph: a harness sets it around a warm-up
+#: (:func:`counting_nodes`; :mod:`labkit.measure.bench` uses its launch count), so that each
+#: capture made there keeps the kernels its graph holds; None: captures count nothing.
+_node_counter: ContextVar[Callable[[], Any] | None] = ContextVar("node_counter", default=None)
+#: Per thread: the kernel counts told of each replay (``replayed(nodes)``), and whether a
+#: replay runs (a stand-in replay that dispatches its ops, as the rehearsal's does, launches
+#: none of its own: a GPU's replay is one graph launch).
+_replays = threading.local()
+
+
+@contextlib.contextmanager
+def counting_nodes(counter: Callable[[], Any]) -> Iterator[None]:
+    """Inside, each capture runs under ``counter()`` (a context manager whose value has a
+    ``counts`` Counter of kernels launched, as :class:`labkit.measure.profiling.LaunchCount`):
+    the graph keeps those counts, its nodes, and tells them to the counts listening at each
+    replay (:func:`listening`)."""
+    token = _node_counter.set(counter)
+    try:
+        yield
+    finally:
+        _node_counter.reset(token)
+
+
+@contextlib.contextmanager
+def listening(count: Any) -> Iterator[None]:
+    """Inside, ``count.replayed(nodes)`` is called after each replay of a captured step in
+    this thread (``nodes``: the kernels its graph holds, None where its capture was not
+    counted)."""
+    listeners = _replays.__dict__.setdefault("listeners", [])
+    listeners.append(count)
+    try:
+        yield
+    finally:
+        listeners.remove(count)
+
+
+def replaying() -> bool:
+    """Whether a captured step's replay runs in this thread now."""
+    return getattr(_replays, "on", False)
+
+
+def _replay(graph: Any, nodes: Counter | None) -> None:
+    """``graph.replay()``, told to the counts listening in this thread (see :func:`listening`)."""
+    _replays.on = True
+    try:
+        graph.replay()
+    finally:
+        _replays.on = False
+    for count in getattr(_replays, "listeners", ()):
+        count.replayed(nodes)
+
+
 def _copy_(dst: Any, src: Any) -> None:
     for d, s in zip(tree_tensors(dst), tree_tensors(src), strict=True):
         if d.shape != s.shape:  # copy_ would broadcast a wrong shape silently
@@ -147,6 +207,9 @@ class CapturedStep:
         self.step, self.state, self.generator = step, state, generator
         self.after_replay = after_replay
         self.graph: torch.cuda.CUDAGraph | None = None
+        #: The kernels the graph holds, by op, where a harness counted them at capture
+        #: (:func:`counting_nodes`); None otherwise.
+        self.nodes: Counter | None = None
 
     def _capture(self, args: tuple) -> None:
         self.static = clone_state(args)
@@ -156,16 +219,19 @@ class CapturedStep:
         graph = torch.cuda.CUDAGraph()
         if self.generator is not None:
             graph.register_generator_state(self.generator)
+        counter = _node_counter.get()
         # thread_local: the async logger's writer thread may touch CUDA during the capture.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"), \
+                (counter() if counter is not None else contextlib.nullcontext()) as nodes:
             self.out = self.step(*self.static)
+        self.nodes = Counter(nodes.counts) if nodes is not None else None
         self.graph = graph
 
     def __call__(self, *args: Any) -> Any:
         if self.graph is None:
             self._capture(args)
         _copy_(self.static, args)
-        self.graph.replay()
+        _replay(self.graph, self.nodes)
         if self.after_replay is not None:
             self.after_replay()
         return clone_state(self.out)

@@ -107,12 +107,67 @@ def test_warmup_restore_and_reset_with_graphs(stage_7):
         assert p.global_step == 0 and {k: float(v) for k, v in p.iteration().items()} == first
 
 
+class _Box:
+    """A Stateful holding one tensor (what a captured step's warm-up calls change)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def state_dict(self) -> dict:
+        return {"x": self.x.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.x.copy_(state["x"])
+
+
+def test_a_replayed_graph_counts_the_kernels_it_holds_and_its_launch():
+    """On a GPU a replay dispatches nothing: a launch count that saw only what runs outside the
+    graph called stage 8's rollout step 4 kernels where the graph held ~100. A capture made
+    under counting_nodes keeps the kernels its step launched (as LaunchCount counts an eager
+    call), and each replay tells every launch count listening: the graph's launch and its
+    nodes as graph:<op>; the rehearsal's stand-in replay, which dispatches the ops again, is
+    not counted as launches of its own."""
+    from labkit.capture import counting_nodes
+    from labkit.measure.profiling import LaunchCount
+
+    x, w = torch.zeros(4), torch.ones(4)
+
+    def step():
+        x.mul_(2).add_(w)
+        return torch.where(x > 2, x, w).sum()
+
+    with LaunchCount() as eager:
+        step()
+    assert eager.total == 5  # mul_, add_, gt, where, sum
+    with rehearsal():
+        plain, counted = CapturedStep(step, _Box(x)), CapturedStep(step, _Box(x))
+        plain()
+        with counting_nodes(LaunchCount):
+            counted()
+        with LaunchCount() as replays:
+            counted()
+            counted()
+            plain()
+    assert plain.nodes is None and counted.nodes == eager.counts
+    graph = {f"graph:{op}": 2 * n for op, n in eager.counts.items()}
+    assert replays.counts == {**graph, "graph_replay": 3, "clone": 3}  # clone: the outputs
+
+
 @pytest.mark.slow
 def test_measure_stage_8_is_ok_with_one_read_per_iteration(cpu):
     with rehearsal():
         row = measure_stage(GRAPHED, BenchConfig(run=RUN, iterations=2), cpu)
+        eager = measure_stage(EAGER, BenchConfig(run=RUN, iterations=2), cpu)
     assert row["status"] == "ok", row["status"]
     assert row["host_reads_rollout_per_step"] == 0 and row["host_reads_per_iter"] == 1
+    # kernels per step count what the graphs hold: the graphed rollout launches what stage 7's
+    # eager one does (rehearsed, stage 7 runs eagerly), and one graph launch a step more
+    top = row["kernels_top"]
+    assert top["rollout"]["graph:where"] == eager["kernels_top"]["rollout"]["where"]
+    assert row["kernels_per_step"] == eager["kernels_per_step"] + 1
+    assert row["kernels_per_step"] > row["graph_kernels_per_step"] > 0.9 * eager["kernels_per_step"]
+    assert row["kernels_per_minibatch"] > row["graph_kernels_per_minibatch"] > 50
+    assert "graph_kernels_per_step" not in eager
 
 
 @pytest.mark.slow

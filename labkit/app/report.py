@@ -71,10 +71,20 @@ def _source(name: str, meta: dict) -> str:
 def runs_note(result: dict) -> str:
     """Which runs a ladder file's rows come from, and the rule for its ratios (and where its
     rows predate the kernel counts, that they do)."""
+    from ..executors import Graphed
+    from ..stages import get_stage
+
     ok = [r for r in result["ladder"] if r.get("status") == "ok"]
     old = [str(r["stage"]) for r in ok if r.get("kernels_per_step") is None]
     before = (f"Kernels per step: — where the row was recorded before they were counted "
               f"(stage {', '.join(old)}). " if old else "")
+    graphed = [str(r["stage"]) for r in ok if r.get("kernels_per_step") is not None
+               and "graph_kernels_per_step" not in r
+               and isinstance(get_stage(r["name"]).rollout_executor, Graphed)]
+    if graphed:
+        before += (f"Stage {', '.join(graphed)}'s kernels per step and minibatch count the "
+                   "launches outside its CUDA graphs only: the row was recorded before the "
+                   "kernels a graph holds were counted. ")
     return before + _runs(result)
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..capture import warmup
+from ..capture import counting_nodes, warmup
 from ..config import BenchConfig, RunConfig, available_memory, memory_estimate
 from ..device import run_metadata, synchronize
 from ..executors import describe_model_math
@@ -210,6 +210,11 @@ def _metered_iteration(pipe: Pipeline) -> tuple[SyncMeter, SyncMeter, Batch]:
     return rollout, update, batch
 
 
+def _graph_nodes(meter: SyncMeter) -> int:
+    """The kernels a meter's part replayed inside CUDA graphs (``graph:<op>``)."""
+    return sum(n for op, n in meter.launched.counts.items() if op.startswith("graph:"))
+
+
 def _work_flops(run: RunConfig) -> float:
     """Model FLOPs of one iteration: T x N policy forwards, the update's epochs of training
     passes over them, and the bootstrap values."""
@@ -234,7 +239,8 @@ def _build(stage: Stage, run: RunConfig, device: torch.device, row: dict) -> Pip
         if pipe.precision.why:  # a component chose it on this device: the reason, printed
             row["precision_why"] = pipe.precision.why
         start = time.perf_counter()
-        row["warmup_s"] = warmup(pipe)
+        with counting_nodes(LaunchCount):  # what each captured graph holds, counted
+            row["warmup_s"] = warmup(pipe)
         row["model_math"] = pipe.math.kinds()
         if pipe.math.executor_choices:  # what a stage that compiles where it pays kept, and why
             row["executor_choices"] = pipe.math.executor_choices
@@ -292,6 +298,10 @@ def _finish(t: _Timing, cfg: BenchConfig, lap_cost: float, peaks: dict | None) -
         "host_scalar_reads_update": m_upd.host_scalar_reads,
         "flops_per_s": _work_flops(run) / it_s,
     })
+    if any("graph_replay" in m.launched.counts for m in t.meters):  # of which in CUDA graphs
+        row["graph_kernels_per_step"] = _graph_nodes(m_roll) / run.n_steps
+        row["graph_kernels_per_minibatch"] = _graph_nodes(m_upd) / (run.ppo.update_epochs
+                                                                   * run.ppo.n_minibatches)
     row["update_ms"] = row["phase_ms"].get("update", 0.0)
     if pipe.device.type == "cuda":
         row["cuda_syncs_per_iter"] = m_roll.cuda_syncs + m_upd.cuda_syncs

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from .. import capture
 from ..device import resolve_device, synchronize
 from ..files import atomic_write, read_json
 
@@ -173,7 +174,9 @@ class LaunchCount:
     (``inductor::cpp_fused_...``, ``inductor::triton_...``) from their wrapper's code
     (:mod:`labkit.measure.kernels`). Told each op by the thread's host flow (a sync meter's,
     if one is active): no dispatch mode of its own. A step replayed as a CUDA graph
-    dispatches nothing, so it counts 0 here (one graph launch on the GPU)."""
+    dispatches nothing (a stand-in replay's ops are not counted either): it counts its
+    graph's launch (``graph_replay``) and, where its capture was counted
+    (:func:`labkit.capture.counting_nodes`), the kernels the graph holds (``graph:<op>``)."""
 
     def __init__(self) -> None:
         self.counts: Counter = Counter()
@@ -190,21 +193,31 @@ class LaunchCount:
         self._flow = self._tracked.__enter__()
         self._flow.observers.append(self.observe)
         self._compiled = compiled_kernels().__enter__()
+        self._listening = capture.listening(self)
+        self._listening.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
+            self._listening.__exit__(*exc)
             self._compiled.__exit__(*exc)
             self.counts.update({f"inductor::{k}": n for k, n in self._compiled.counts.items()})
         finally:
             self._flow.observers.remove(self.observe)
             self._tracked.__exit__(*exc)
 
+    def replayed(self, nodes: Counter | None) -> None:
+        """A captured step replayed: the graph's launch, and the kernels it holds (counted at
+        its capture, :func:`labkit.capture.counting_nodes`; None: not counted), each as
+        ``graph:<op>``."""
+        self.counts["graph_replay"] += 1
+        self.counts.update({f"graph:{k}": n for k, n in (nodes or {}).items()})
+
     def observe(self, func, args=(), kwargs=None, out=None, born=None) -> None:
         from . import hostflow
 
         name = str(func.overloadpacket.__name__)
-        if func.is_view or name in _NO_LAUNCH:
+        if func.is_view or name in _NO_LAUNCH or capture.replaying():
             return
         pos, names = hostflow._written(func)
         kwargs = kwargs or {}

@@ -175,9 +175,10 @@ LADDER = Table((
     Column("cuda/it", "CUDA syncs / iter (device reads and pageable copies)",
            _count("cuda_syncs_per_iter"), 7, only_with="cuda_syncs_per_iter"),
     Column("host/it", "host-scalar reads / iter", _count("host_scalar_reads_per_iter"), 7),
-    Column("k/step", "kernels (GPU launches) / rollout step", _count("kernels_per_step", ".4g"),
-           7),
-    Column("k/mb", "kernels (GPU launches) / minibatch step",
+    # a replayed CUDA graph's own nodes included (graph_kernels_per_step of them)
+    Column("k/step", "kernels (GPU launches and CUDA graph nodes) / rollout step",
+           _count("kernels_per_step", ".4g"), 7),
+    Column("k/mb", "kernels (GPU launches and CUDA graph nodes) / minibatch step",
            _count("kernels_per_minibatch", ".4g"), 6),
     Column("warmup s", "warmup s", lambda r: f"{r['warmup_s']:.2f}", 8),
     Column("ceil sps", "ceiling steps/s", lambda r: fmt(r["ceiling_sps"]), 10),
