@@ -99,3 +99,46 @@ def test_the_ladder_times_a_bounded_stage_over_its_own_whole_iterations_and_says
     assert head[:4] == ["#", "stage", "N", "T"]
     assert ("bounded: 0 python_loop at T=2, 2 torch_state at T=2 of 8: a stage that steps one "
             "env at a time") in " ".join(out.split())
+
+
+def test_every_row_shares_one_peak_and_each_dtype_is_measured_once(monkeypatch):
+    """The H200 file printed a bf16 peak of 791 TFLOP/s and divided stage 7 by a second
+    measurement of the same matmul (692.5), and stages 1-6 by the fp32 peak: '% of peak' fell
+    from 1.40 to 0.14 between stages 6 and 7 though stage 7 ran 1.32x faster. Now a run
+    measures each dtype once (the peak's own dtype is the peak) and every row divides by the
+    one peak its notes print, the update's model work over its phase as well; an older file
+    is put on that peak when it is written or reported."""
+    import torch
+
+    import labkit.device
+    import labkit.precision
+    from labkit.measure import bench
+    from labkit.stages import STAGES
+
+    for module in (labkit.device, labkit.precision):  # stage 7 runs bf16 on this CPU
+        monkeypatch.setattr(module, "cpu_bf16", lambda: "AVX-512 BF16")
+    speeds = {None: 100e9, torch.float32: 100e9, torch.bfloat16: 400e9}
+    asked = []
+
+    def peak(device, seconds=1.0, dtype=None):
+        asked.append(dtype)
+        return {"peak_flops": speeds[dtype], "peak_dtype": "float32", "peak_n": 8}
+
+    monkeypatch.setattr(bench, "matmul_peak_flops", peak)
+    cal = bench.calibrate(torch.device("cpu"), [STAGES[3], STAGES[7]])
+    assert asked == [None, torch.bfloat16]
+    assert cal["peak_flops"] == 100e9 and cal["peaks"] == {"bf16": 400e9, "fp32": 100e9}
+    full = bench.BenchConfig.from_profile("full")
+    result = {"config": full.to_dict(), "peak_flops": 100e9, "ladder": [
+        {"status": "ok", "n_envs": 1024, "n_steps": 128, "flops_per_s": 1e9,
+         "frac_of_peak": 0.01, "precision": "fp32", "phase_ms": {"update": 50.0}},
+        {"status": "ok", "n_envs": 1024, "n_steps": 128, "flops_per_s": 2e9,
+         "frac_of_peak": 0.005, "precision": "bf16", "phase_ms": {"update": 25.0}},
+        {"status": "skipped: needs CUDA"}]}
+    bench.one_denominator(result)
+    fp32, bf16, skipped = result["ladder"]
+    assert (fp32["frac_of_peak"], bf16["frac_of_peak"]) == (0.01, 0.02)
+    update = 1024 * 128 * 4 * bench.flops_per_sample(7, "conv")["train"]  # 282.8 GFLOP
+    assert bf16["update_flops_per_s"] == pytest.approx(update / 0.025)
+    assert bf16["update_frac_of_peak"] == pytest.approx(update / 0.025 / 100e9)
+    assert skipped == {"status": "skipped: needs CUDA"}

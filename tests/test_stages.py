@@ -679,7 +679,7 @@ def test_each_group_of_a_sweep_starts_from_empty_compile_caches(monkeypatch):
     monkeypatch.setattr(bench, "measure_stages",
                         lambda stages, c, *a, **k: events.append(c.run.n_envs) or [])
     todo = bench.ladder_plan(BENCH, CPU, [STAGES[3], STAGES[7]])
-    bench._measure_plan(todo, BENCH, CPU, {"peaks": {}, "lap_cost_s": 0.0},
+    bench._measure_plan(todo, BENCH, CPU, {"peak_flops": 1e9, "lap_cost_s": 0.0},
                         {"ladder": [], "scaling": []}, None, None)
     assert events == ["reset", 8, "reset", 8, "reset", 16]
 

@@ -137,7 +137,11 @@ def _said(result: dict) -> list[str]:
 
 
 def ladder_table(result: dict) -> str:
-    """The ladder as a Markdown table (what the README shows)."""
+    """The ladder as a Markdown table (what the README shows), every row's share of peak
+    against the one peak its notes print (older files divided by each stage's precision)."""
+    from ..measure.bench import one_denominator
+
+    one_denominator(result)
     return tables.LADDER.markdown(result["ladder"])
 
 

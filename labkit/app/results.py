@@ -120,10 +120,11 @@ class LadderFile:
             self.write()
 
     def write(self) -> Path:
-        from ..measure.bench import add_ratios, headline
+        from ..measure.bench import add_ratios, headline, one_denominator
 
         self.data["meta"] = self.meta
         add_ratios(self.data["ladder"])
+        one_denominator(self.data)
         top = headline(self.data)
         self.data.pop("headline", None)
         if top:

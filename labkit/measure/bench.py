@@ -215,6 +215,12 @@ def _graph_nodes(meter: SyncMeter) -> int:
     return sum(n for op, n in meter.launched.counts.items() if op.startswith("graph:"))
 
 
+def _update_flops(run: RunConfig) -> float:
+    """Model FLOPs of one iteration's update: its epochs of training passes over N x T."""
+    return (run.n_envs * run.n_steps * run.ppo.update_epochs
+            * flops_per_sample(run.spec.view, run.model)["train"])
+
+
 def _work_flops(run: RunConfig) -> float:
     """Model FLOPs of one iteration: T x N policy forwards, the update's epochs of training
     passes over them, and the bootstrap values."""
@@ -257,7 +263,33 @@ def _build(stage: Stage, run: RunConfig, device: torch.device, row: dict) -> Pip
         return None
 
 
-def _finish(t: _Timing, cfg: BenchConfig, lap_cost: float, peaks: dict | None) -> None:
+def shares(row: dict, peak: float) -> None:
+    """``frac_of_peak`` (the iteration's model work) and ``update_frac_of_peak`` (the update's,
+    over its phase) of a measured row, against ``peak``: one denominator for every row of a
+    ladder, the device's matmul peak (bf16 on CUDA, fp32 on the CPU), whatever precision a
+    stage runs in."""
+    row["frac_of_peak"] = row["flops_per_s"] / peak
+    if row.get("update_flops_per_s") is not None:
+        row["update_frac_of_peak"] = row["update_flops_per_s"] / peak
+
+
+def one_denominator(result: dict) -> None:
+    """Every measured row's shares of ``result["peak_flops"]`` (see :func:`shares`): a file
+    whose rows were divided by their own precision's peak (recorded before) or by another
+    run's is put on the one its table's notes print. A row recorded before the update's
+    FLOP/s was kept gets it from its update phase and the file's run config."""
+    run = RunConfig.from_dict(result["config"]["run"]) if "config" in result else None
+    for row in result.get("ladder", []) + result.get("scaling", []):
+        if row.get("status") != "ok" or row.get("flops_per_s") is None:
+            continue
+        update_ms = row.get("phase_ms", {}).get("update", 0.0)
+        if "update_flops_per_s" not in row and run is not None and update_ms > 0:
+            at = run.replace(n_envs=row["n_envs"], n_steps=row["n_steps"])
+            row["update_flops_per_s"] = _update_flops(at) / (update_ms / 1e3)
+        shares(row, result["peak_flops"])
+
+
+def _finish(t: _Timing, cfg: BenchConfig, lap_cost: float, peak: float | None) -> None:
     """Fill ``t.row`` from its timed iterations, its metered iteration (host reads) and its
     compute ceiling, and judge it."""
     pipe, row, run, plain = t.pipe, t.row, cfg.run, t.plain
@@ -306,27 +338,29 @@ def _finish(t: _Timing, cfg: BenchConfig, lap_cost: float, peaks: dict | None) -
     if pipe.device.type == "cuda":
         row["cuda_syncs_per_iter"] = m_roll.cuda_syncs + m_upd.cuda_syncs
         row["cuda_sync_sites"] = dict(m_roll.cuda_sync_sites + m_upd.cuda_sync_sites)
-    if peaks and pipe.precision.name in peaks:
-        row["frac_of_peak"] = row["flops_per_s"] / peaks[pipe.precision.name]
+    if row["update_ms"] > 0:  # the update's model work over its phase (marked iterations)
+        row["update_flops_per_s"] = _update_flops(run) / (row["update_ms"] / 1e3)
+    if peak:
+        shares(row, peak)
     noise.judge(row)
 
 
 def measure_stages(stages: list, cfg: BenchConfig, device: torch.device,
-                   peaks: dict[str, float] | None = None, lap_cost: float | None = None
+                   peak: float | None = None, lap_cost: float | None = None
                    ) -> list[dict]:
     """Measure ``stages`` at ``cfg.run.n_envs`` x ``cfg.run.n_steps``, one row each: a dict of
     figures with its noise verdict, or a ``status`` saying why not (``skipped: ...`` or
     ``error: ...``). Each is built and warmed up in turn, then their timed iterations are
     interleaved in rounds (all pipelines alive at once, if their memory estimates fit
-    together; else one stage at a time, ``interleaved`` says with how many). ``peaks``
-    (matmul FLOP/s per precision name, measured on this device) gives ``frac_of_peak`` at the
-    stage's own precision; ``lap_cost`` (seconds per phase mark, measured if not given) turns
-    the marks per iteration into their overhead."""
+    together; else one stage at a time, ``interleaved`` says with how many). ``peak``
+    (matmul FLOP/s measured on this device, one for every stage) gives ``frac_of_peak`` and
+    ``update_frac_of_peak`` (:func:`shares`); ``lap_cost`` (seconds per phase mark, measured
+    if not given) turns the marks per iteration into their overhead."""
     stages, run = [get_stage(s) for s in stages], cfg.run
     lap_cost = lap_cost if lap_cost is not None else lap_cost_s(device)
     free = available_memory(device)
     if len(stages) > 1 and free is not None and memory_estimate(run) * len(stages) > free / 2:
-        return [row for s in stages for row in measure_stages([s], cfg, device, peaks, lap_cost)]
+        return [row for s in stages for row in measure_stages([s], cfg, device, peak, lap_cost)]
     rows, timings = [], []
     for stage in stages:
         row = {"stage": stage.index, "name": stage.name, "lesson": stage.lesson,
@@ -347,7 +381,7 @@ def measure_stages(stages: list, cfg: BenchConfig, device: torch.device,
             t.row["interleaved"] = len(timings)
             if t.row.get("status", "ok") == "ok":
                 try:
-                    _finish(t, cfg, lap_cost, peaks)
+                    _finish(t, cfg, lap_cost, peak)
                 except Exception as err:  # one broken stage must not lose the others' results
                     t.row["status"] = _error_status(err)
     finally:
@@ -360,9 +394,9 @@ def measure_stages(stages: list, cfg: BenchConfig, device: torch.device,
 
 
 def measure_stage(stage: Stage, cfg: BenchConfig, device: torch.device,
-                  peaks: dict[str, float] | None = None, lap_cost: float | None = None) -> dict:
+                  peak: float | None = None, lap_cost: float | None = None) -> dict:
     """One stage's row (see :func:`measure_stages`)."""
-    return measure_stages([stage], cfg, device, peaks, lap_cost)[0]
+    return measure_stages([stage], cfg, device, peak, lap_cost)[0]
 
 
 def _error_status(err: Exception, limit: int = 300) -> str:
@@ -450,12 +484,15 @@ def ladder_plan(cfg: BenchConfig, device: torch.device, stages: list | None = No
 
 def calibrate(device: torch.device, stages: list) -> dict:
     """What every row of a run is measured against: a large matmul's FLOP/s (bf16 on CUDA,
-    fp32 on the CPU), the same per precision that ``stages`` run in here, and the cost of one
-    phase mark."""
+    fp32 on the CPU; every row's share of peak divides by it), the same per precision that
+    ``stages`` run in here (each dtype measured once: the peak's own is the peak), and the
+    cost of one phase mark."""
     stages = [get_stage(s) for s in stages]
     precisions = {s.precision(device).name for s in stages if not s.skip_reason(device)}
-    return {**matmul_peak_flops(device),
-            "peaks": {p: matmul_peak_flops(device, dtype=PEAK_DTYPES[p])["peak_flops"]
+    top = matmul_peak_flops(device)
+    return {**top,
+            "peaks": {p: top["peak_flops"] if PEAK_DTYPES[p] == getattr(torch, top["peak_dtype"])
+                      else matmul_peak_flops(device, dtype=PEAK_DTYPES[p])["peak_flops"]
                       for p in sorted(precisions)},
             "lap_cost_s": lap_cost_s(device)}
 
@@ -519,7 +556,7 @@ def _measure_plan(todo: list, cfg: BenchConfig, device: torch.device, cal: dict,
             # sweep (each N, each stage's precision, stage 7's two ways to run convolutions)
             # passed its recompile limit (8), where a fullgraph compile fails.
             torch.compiler.reset()
-            for row in measure_stages(stages, c, device, peaks=cal["peaks"],
+            for row in measure_stages(stages, c, device, peak=cal["peak_flops"],
                                       lap_cost=cal["lap_cost_s"]):
                 if c.run.n_steps != cfg.run.n_steps:
                     row["steps_bound"] = {"env_steps": cfg.loop_steps_bound,
