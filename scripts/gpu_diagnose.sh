@@ -10,6 +10,12 @@
 #
 #   LABKIT_GIT_COMMIT=<hash> bash scripts/gpu_diagnose.sh      # $OUT is the device tool's
 #
+# All its lines take longer than one device command may (10 minutes): LINES names the ones a
+# command runs, e.g. LINES="scaling env profile-7 profile-8 ladder" then the rest in a second
+# command (the same $OUT: the archive holds both):
+#
+#   LINES="fused whole update obs-float32 obs-uint8 bounded" LABKIT_GIT_COMMIT=<hash> bash ...
+#
 # What each line settles, most important first (reviews/gpu-gap.md §6 and issue 55 §1):
 #   scaling   stages 7 and 8 over N: the data-chosen ladder N (smallest N at which stage 8
 #             reaches 90% of its best rate) and where stage 8 tops out today
@@ -52,6 +58,7 @@ source "$(dirname "$0")/gpu_step.sh"
 # each line's results packed as soon as it ends: a stay cut short still returns what finished
 step() {
     local name=$1 limit=$2; shift 2
+    case " ${LINES:-$name} " in *" $name "*) ;; *) return 0 ;; esac  # not one of LINES
     gpu_step "$R" "$limit" 12 "$name" "$@"
     tar czf "$OUT/gpu-diagnose.tar.gz" -C "$OUT" diagnose
 }
