@@ -1,8 +1,8 @@
 """PPO on Forage through Gymnasium, the CleanRL way: ``gymnasium.make_vec`` and a plain loop.
 
 For readers who already train with Gymnasium (CleanRL, SB3): Forage is registered as
-``labkit/Forage-v0`` when labkit is imported, its vector env steps all envs in one NumPy call,
-and it resets in the same step (Gymnasium's ``AutoresetMode.SAME_STEP``). This file is a
+``labkit/Forage-v0`` when ``labkit.envs.gym`` is imported, its vector env steps all envs in one
+NumPy call, and it resets in the same step (Gymnasium's ``AutoresetMode.SAME_STEP``). This file is a
 standard host-side loop (observations to the device, actions back, every step): labkit's
 chapters show what each of those transfers costs and how the GPU-native pipeline avoids them.
 Three of their fixes are switches here, off by default (chapter 12 watches the loop with
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-import labkit.envs  # noqa: F401  (registers labkit/Forage-v0)
+import labkit.envs.gym  # noqa: F401  (registers labkit/Forage-v0)
 
 
 @dataclass

@@ -138,7 +138,7 @@ class ValueHead(nn.Module):
         pass
 
 
-class PopArtValueHead(nn.Module):
+class PopArtValueHead(ValueHead):
     """PopArt value head (van Hasselt et al. 2016; Hessel et al. 2019).
 
     The linear layer predicts the *normalized* value; ``denormalize`` maps it back with running
@@ -156,23 +156,16 @@ class PopArtValueHead(nn.Module):
 
     def __init__(self, in_features: int = HIDDEN, beta: float = 0.01,
                  min_std: float = 1e-2) -> None:
-        super().__init__()
         if not 0.0 < beta <= 1.0:
             raise ValueError(f"beta must be in (0, 1], got {beta}")
         if not 0.0 < min_std:
             raise ValueError(f"min_std must be > 0, got {min_std}")
-        self.linear = layer_init(nn.Linear(in_features, 1), std=1.0)
+        super().__init__(in_features)
         self.beta, self.min_std = beta, min_std
         self.register_buffer("mean", torch.zeros(()))
         self.register_buffer("mean_sq", torch.ones(()))
         self.register_buffer("std", torch.ones(()))
         self.register_buffer("count", torch.zeros(()))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.linear(h).squeeze(-1)
-
-    def get_training_value(self, h: torch.Tensor) -> torch.Tensor:
-        return self(h)
 
     def denormalize(self, v: torch.Tensor) -> torch.Tensor:
         return v * self.std + self.mean
@@ -362,11 +355,6 @@ class Agent(nn.Module):
     def get_value(self, obs: torch.Tensor) -> torch.Tensor:
         """Value in return space (for bootstrapping GAE)."""
         return self.value_head.denormalize(self.value_head(self.body(obs.float())))
-
-    def act(self, obs: torch.Tensor, generator: torch.Generator | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample actions on the device: :func:`sample_action` with this agent."""
-        return sample_action(self, obs, generator)
 
     def evaluate(self, obs: torch.Tensor, action: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

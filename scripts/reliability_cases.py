@@ -1040,7 +1040,7 @@ _CFG = ("from labkit.app.train import TrainConfig\n"
         "total_steps=64)\n")
 _RC = "from labkit.config import RunConfig\n"
 _P = _RC + "from labkit.stages import Pipeline\ncfg = RunConfig(n_envs=4, n_steps=4)\n"
-_GYM = "import gymnasium as gym, numpy as np, labkit.envs\n"
+_GYM = "import gymnasium as gym, numpy as np, labkit.envs.gym\n"
 _ONE = _GYM + "e = gym.make('labkit/Forage-v0')\ne.reset(seed=1)\n"
 _REH = _RC + "from labkit.doctor.rehearsal import rehearse_stage\n"
 _ENVS = "import torch\nfrom labkit.envs import ForageNumpy, ForageTorch\n"

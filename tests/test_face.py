@@ -80,7 +80,7 @@ def test_python_api_names_the_argument(tmp_path):
 
     for bad in (5, {"height": 9}, "x"):
         with pytest.raises(TypeError, match="forage must be a ForageSpec"):
-            gym.make("labkit/Forage-v0", forage=bad)
+            gym.make("labkit.envs.gym:labkit/Forage-v0", forage=bad)  # the module registers
         with pytest.raises(TypeError, match="forage must be a ForageSpec"):
             gym.make_vec("labkit/Forage-v0", num_envs=2, forage=bad)
     with pytest.raises(TypeError, match="out must be a folder path"):

@@ -119,3 +119,20 @@ def test_a_cleanrl_style_loop_trains_on_it():
                                   cuda=False))
     assert out["iterations"] == 8 and np.isfinite(out["loss"])
     assert len(out["episode_returns"]) == 16 * 2  # 256 steps per env: two 128-step episodes
+
+
+@pytest.mark.slow
+def test_importing_labkit_envs_imports_no_gymnasium_and_the_gym_module_registers():
+    """Registration is the Gymnasium module's own doing: ``import labkit.envs`` (every run)
+    neither imports Gymnasium nor registers; ``gym.make("labkit.envs.gym:labkit/Forage-v0")``
+    imports the module that registers, as Gymnasium's "module:id" form is meant for."""
+    import subprocess
+
+    code = ("import sys, labkit.envs; print('gymnasium' in sys.modules); "
+            "import gymnasium as gym; print('labkit/Forage-v0' in gym.registry); "
+            "env = gym.make('labkit.envs.gym:labkit/Forage-v0'); "
+            "print('labkit/Forage-v0' in gym.registry, type(env.unwrapped).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1]).stdout.split()
+    assert out == ["False", "False", "True", "ForageEnv"]
+

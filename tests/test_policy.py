@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from labkit.measure.syncmeter import SyncMeter
-from labkit.policy import Agent, PopArtValueHead, ValueHead, flops_per_sample
+from labkit.policy import Agent, PopArtValueHead, ValueHead, flops_per_sample, sample_action
 
 
 def _obs(n: int, view: int = 7, seed: int = 0) -> torch.Tensor:
@@ -124,14 +124,14 @@ def test_flops_match_hand_count():
     assert flops_per_sample(7) == {"forward": 179_808, "train": 539_424}
 
 
-def test_act_samples_on_device_without_host_reads():
+def test_sample_action_samples_on_device_without_host_reads():
     torch.manual_seed(0)
     agent = Agent(value_head="popart")
     obs = _obs(4096)
     with SyncMeter() as m:
-        a1, lp1, v1 = agent.act(obs, generator=torch.Generator().manual_seed(3))
+        a1, lp1, v1 = sample_action(agent, obs, generator=torch.Generator().manual_seed(3))
     assert m.host_reads == 0
-    a2, lp2, v2 = agent.act(obs, generator=torch.Generator().manual_seed(3))
+    a2, lp2, v2 = sample_action(agent, obs, generator=torch.Generator().manual_seed(3))
     assert torch.equal(a1, a2) and a1.dtype == torch.int64
     lp, ent, v = agent.evaluate(obs, a1)
     torch.testing.assert_close(lp, lp1)

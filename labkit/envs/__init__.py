@@ -1,12 +1,13 @@
-"""Forage environments: one spec, four implementations, bit-exact with each other."""
+"""Forage environments: one spec, four implementations, bit-exact with each other.
+
+For Gymnasium (optional: ``pip install 'labkit[gym]'``) see :mod:`labkit.envs.gym`: importing
+it registers ``labkit/Forage-v0``; importing this package imports no Gymnasium."""
 from __future__ import annotations
 
-import importlib.util
-
-from .numpy import ForageNumpy, Layout
+from .numpy import ForageNumpy
 from .policies import mean_return, oracle_actions, random_actions
 from .python import ForagePy, ForagePyList
-from .spec import ACTION_DELTAS, EMPTY, FOOD, N_ACTIONS, POISON, WALL, ForageSpec
+from .spec import ACTION_DELTAS, EMPTY, FOOD, N_ACTIONS, POISON, WALL, ForageSpec, Layout
 from .torch import ForageTorch, kth_free, nth_free
 from .torch_loop import ForageTorchLoop
 
@@ -14,10 +15,3 @@ __all__ = ["ACTION_DELTAS", "EMPTY", "FOOD", "N_ACTIONS", "POISON", "WALL", "For
            "ForagePy", "ForagePyList", "ForageSpec", "ForageTorch", "ForageTorchLoop", "Layout",
            "kth_free", "nth_free", "mean_return", "oracle_actions",
            "random_actions"]
-
-if importlib.util.find_spec("gymnasium") is not None:  # optional: pip install 'labkit[gym]'
-    from .gym import ForageEnv, ForageVectorEnv
-    from .gym import register as _register_gymnasium
-
-    _register_gymnasium()  # labkit/Forage-v0
-    __all__ += ["ForageEnv", "ForageVectorEnv"]

@@ -1,9 +1,11 @@
 """Forage for Gymnasium users (SB3, CleanRL, ...): ``ForageEnv`` (one env) and
-``ForageVectorEnv`` (N envs in one NumPy or torch step), registered as ``labkit/Forage-v0``.
+``ForageVectorEnv`` (N envs in one NumPy or torch step), registered as ``labkit/Forage-v0``
+when this module is imported (``import labkit.envs`` alone registers nothing), as Gymnasium's
+"module:id" form does:
 
->>> import gymnasium, labkit.envs
->>> env = gymnasium.make("labkit/Forage-v0")
->>> envs = gymnasium.make_vec("labkit/Forage-v0", num_envs=64)
+>>> import gymnasium
+>>> env = gymnasium.make("labkit.envs.gym:labkit/Forage-v0")
+>>> envs = gymnasium.make_vec("labkit/Forage-v0", num_envs=64)  # registered by the line above
 
 ``ForageEnv`` follows the single-env API: when an episode is truncated (Forage episodes never
 terminate) ``step`` returns its last observation and ``reset()`` starts the next episode of
@@ -140,3 +142,6 @@ def register() -> None:
     if ENV_ID not in gym.registry:
         gym.register(id=ENV_ID, entry_point=ForageEnv, vector_entry_point=ForageVectorEnv,
                      disable_env_checker=False)
+
+
+register()

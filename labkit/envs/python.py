@@ -128,7 +128,8 @@ class ForagePy:
         env's plain-data state, laid out as theirs: the same states are refused."""
         import torch
 
-        from .numpy import Layout, check_reachable
+        from .numpy import check_reachable
+        from .spec import Layout
 
         s, lay = self.spec, Layout.of(self.spec)
         for key in ("episode", "t"):

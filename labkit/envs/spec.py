@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..validate import check_int
 
 EMPTY, WALL, FOOD, POISON = 0, 1, 2, 3
@@ -95,3 +97,44 @@ def check_n_envs(n_envs: object, name: str = "n_envs") -> int:
 
 def check_seed(seed: object) -> int:
     return check_int("seed", seed, 0, MAX_SEED)
+
+
+AGENT = -1
+"""Marks the reset draw that places the agent rather than a cell kind."""
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Flat index tables for a spec's wall-padded grid (row-major, ``rows x cols``)."""
+
+    rows: int
+    cols: int
+    base: np.ndarray
+    """(rows*cols,) int8: WALL on the border and the padding, EMPTY inside."""
+    cells: np.ndarray
+    """(interior,) int64 flat indices of the interior cells, in row-major order."""
+    window: np.ndarray
+    """(view*view,) int64 offsets of the observation window from the agent's flat index."""
+    deltas: np.ndarray
+    """(N_ACTIONS,) int64 flat offset of each action."""
+    channel_kinds: np.ndarray
+    """(3,) int8 cell kind shown by each observation channel (wall, food, poison)."""
+    placements: tuple[int, ...]
+    """Kind placed by each reset draw; AGENT for the agent."""
+
+    @classmethod
+    def of(cls, spec: ForageSpec) -> Layout:
+        pad, v = spec.radius, spec.view
+        rows, cols = spec.height + 2 * pad, spec.width + 2 * pad
+        base = np.full((rows, cols), WALL, dtype=np.int8)
+        base[pad + 1:pad + spec.height - 1, pad + 1:pad + spec.width - 1] = EMPTY
+        r, c = np.meshgrid(np.arange(1, spec.height - 1), np.arange(1, spec.width - 1),
+                           indexing="ij")
+        cells = ((r + pad) * cols + c + pad).ravel()
+        i, j = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
+        window = ((i - pad) * cols + j - pad).ravel()
+        deltas = np.array([dr * cols + dc for dr, dc in ACTION_DELTAS], dtype=np.int64)
+        kinds = ([WALL] * spec.n_walls + [AGENT] + [FOOD] * spec.n_food
+                 + [POISON] * spec.n_poison)
+        return cls(rows, cols, base.ravel(), cells.astype(np.int64), window.astype(np.int64),
+                   deltas, np.array([WALL, FOOD, POISON], dtype=np.int8), tuple(kinds))

@@ -21,7 +21,7 @@ whichever episodes end. What makes it fast is what it does *not* do on every ste
 * **One hash level per step.** ``hash32`` mixes (seed, env, episode, step, draw) in turn, ten
   ops a level. The per-env and per-episode prefixes are kept, and the first level of the next
   step's respawn is mixed one step ahead, so one ``mix`` over the keys xored with the counters
-  makes every hash the step needs and every key of the next step (``_hash``).
+  makes every hash the step needs and every key of the next step (``_placements``).
 * **The grid is the interior only**, one int8 per cell plus one wall column that stands for
   every cell outside (moves and observation windows go through index tables), and the agent's
   cell holds ``AGENT_CELL``, so "free" is a single comparison.
@@ -50,15 +50,17 @@ import numpy as np
 import torch
 
 from ..device import resolve_device
-from .numpy import AGENT, Layout, check_reachable
+from .numpy import check_reachable
 from .rng import GOLDEN, MASK, chain, mix, mix_
 from .spec import (
+    AGENT,
     EMPTY,
     FOOD,
     N_ACTIONS,
     POISON,
     WALL,
     ForageSpec,
+    Layout,
     check_n_envs,
     check_seed,
 )
@@ -163,7 +165,7 @@ class ForageTorch:
         self.seed = torch.tensor(seed, dtype=torch.int64, device=dev)
         #: Counters, one row each, [6 + k, N] int64: episode, (episode + 3) & MASK, 1, 0, 0,
         #: t, t + 2, then k - 1 zeros. Rows 1 to 5 + k are what the hash keys are xored with
-        #: (``_hash``); ``episode`` and ``t`` are rows 0 and 5.
+        #: (``_placements``); ``episode`` and ``t`` are rows 0 and 5.
         self._ctr = torch.zeros(6 + k, n, dtype=torch.int64, device=dev)
         self.episode, self.t = self._ctr[0], self._ctr[5]
         self.episode_return = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -178,7 +180,7 @@ class ForageTorch:
         self._next_pos = torch.zeros(n, 2, dtype=torch.int64, device=dev)
         #: Hash keys and their mixes, one row each, [2 * (5 + k), N] int64: the keys S, F, G,
         #: P, F0, E and k - 1 more copies of F0, then their mixes after the xor with the
-        #: counters' rows 1 to 5 + k (the copies of F0 with the step's draws: ``_hash``).
+        #: counters' rows 1 to 5 + k (the copies of F0 with the step's draws: ``_placements``).
         self._keys = torch.zeros(2 * (5 + k), n, dtype=torch.int64, device=dev)
         self._scratch(n, k)
         self.reset()
@@ -260,7 +262,7 @@ class ForageTorch:
         # What an episode's end adds to the counters' rows 0 to 6 (see __init__).
         self._end_delta = on_device([1, 1, 0, 0, 0, -s.episode_length, -s.episode_length]
                                     ).unsqueeze(1)
-        # The keys' columns after a step (see _hash), in the order: ended, going on.
+        # The keys' columns after a step (see _placements), in the order: ended, going on.
         w = 5 + k
         self._roll = on_device([0, 2, w, w + 1, w + 2, 1, *[w + 2] * (k - 1),
                                 0, 1, 2, w + 5, *range(4, w)])
@@ -386,7 +388,7 @@ class ForageTorch:
                                                    torch.Tensor, dict]:
         actions = check_actions(actions, self.n_envs, self.device, in_range=False)
         cell = self._walk(actions)
-        reward, passes = self._hash(cell)
+        reward, passes = self._placements(cell)
         for n, values, column in passes:  # one pass, or more if episodes are short
             col = self._place(n, values)
             self._next_pos.scatter_(1, column, col[1])
@@ -416,7 +418,7 @@ class ForageTorch:
         here.scatter_(1, pos, AGENT_CELL)
         return cell.squeeze(1)
 
-    def _hash(self, cell: torch.Tensor
+    def _placements(self, cell: torch.Tensor
               ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
         """The step's reward, and per placement pass the 1-based free-cell numbers (the
         respawn, the next layout's draw), the values to write and the draw's ``_next_pos``

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .numpy import AGENT, Layout, check_reachable
+from .numpy import check_reachable
 from .rng import hash32
-from .spec import EMPTY, FOOD, POISON, WALL, ForageSpec, check_seed
+from .spec import AGENT, EMPTY, FOOD, POISON, WALL, ForageSpec, Layout, check_seed
 from .torch import STATE_KEYS, check_actions, check_env_args, check_state, kth_free
 
 

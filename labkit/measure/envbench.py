@@ -275,7 +275,7 @@ def format_table(result: dict) -> str:
 
 
 #: ForageTorch.step by part: the method that does each.
-STEP_PARTS = {"move": "_walk", "hash and reward": "_hash", "find cells, write": "_place",
+STEP_PARTS = {"move": "_walk", "hash and reward": "_placements", "find cells, write": "_place",
               "episode end": "_end_episodes", "observation": "observation"}
 
 
@@ -287,7 +287,7 @@ def _step_by_parts(env: ForageTorch, actions: torch.Tensor,
     same outputs and state, step for step)."""
     actions = check_actions(actions, env.n_envs, env.device, in_range=False)
     cell = part("move", env._walk, actions)
-    reward, passes = part("hash and reward", env._hash, cell)
+    reward, passes = part("hash and reward", env._placements, cell)
     for n, values, column in passes:
         col = part("find cells, write", env._place, n, values)
         env._next_pos.scatter_(1, column, col[1])
