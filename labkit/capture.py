@@ -63,31 +63,6 @@ def clone_state(obj: Any) -> Any:
     return tree_map(lambda t: t.detach().clone(), obj)
 
 
-@torch.no_grad()
-def load_optimizer_state_(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """``optimizer.load_state_dict(state)`` that keeps every existing state tensor and a tensor
-    LR in place. State the saved dict lacks (it was taken before the first step) is zeroed:
-    Adam with zero moments and a zero step counter is exactly a fresh Adam."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    live = {p: dict(optimizer.state[p]) for p in params if p in optimizer.state}
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    optimizer.load_state_dict(state)  # torch's casts and placement (e.g. a CPU step counter)
-    for p, old in live.items():
-        new = optimizer.state[p]
-        for key, tensor in old.items():
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            if key in new:
-                tensor.copy_(new[key])
-            else:
-                tensor.zero_()
-            new[key] = tensor
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        if isinstance(lr, torch.Tensor):
-            lr.copy_(group["lr"])
-            group["lr"] = lr
-
-
 class Stateful(Protocol):
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...

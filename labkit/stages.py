@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from .capture import clone_state, load_optimizer_state_
+from .capture import clone_state
 from .config import RunConfig, memory_shortfall
 from .device import has_bf16, resolve_device
 from .distributed import SINGLE, Group
@@ -92,8 +92,9 @@ def assuming(needs: tuple[str, ...]) -> Iterator[None]:
 @runtime_checkable
 class OptimizerComponent(Protocol):
     """What the optimizer slot's value offers (:class:`labkit.update.Adam`, ``FusedAdam``): it
-    builds the optimizer, and owns how its LR is set and read and how its gradients are
-    clipped, so the loop never asks which optimizer it has."""
+    builds the optimizer, and owns how its LR is set and read, how its gradients are
+    clipped and how a saved state is loaded into it in place, so the loop never asks which
+    optimizer it has."""
 
     @property
     def requires(self) -> tuple[str, ...]: ...
@@ -106,6 +107,8 @@ class OptimizerComponent(Protocol):
     def set_lr(self, optimizer: torch.optim.Optimizer, lr: float) -> None: ...
 
     def lr(self, optimizer: torch.optim.Optimizer) -> float | torch.Tensor: ...
+
+    def load_state_(self, optimizer: torch.optim.Optimizer, state: dict) -> None: ...
 
 
 @runtime_checkable
@@ -130,7 +133,7 @@ class Stage:
       ``collector(env=, n_steps=, act=, metrics=, device=, clock=)`` (its ``accepts`` names
       the envs it can step), ``logger(target=)``, ``metrics(device=)``: classes;
     * ``optimizer``: an :class:`OptimizerComponent`, ``optimizer(params=, cfg=, device=)``,
-      which also owns ``set_lr``, ``lr`` and ``clip_grad``;
+      which also owns ``set_lr``, ``lr``, ``clip_grad`` and ``load_state_``;
     * ``precision``: a :class:`PrecisionComponent`, ``precision(device=)`` -> a
       :class:`labkit.precision.Precision`;
     * ``rollout_executor`` and ``update_executor``: each an
@@ -506,7 +509,7 @@ class Pipeline:
                             f"PipelineState.from_dict of a checkpoint's 'state'), got "
                             f"{type(state).__name__}")
         self.agent.load_state_dict(state.agent)
-        load_optimizer_state_(self.optimizer, state.optimizer)
+        self.stage.optimizer.load_state_(self.optimizer, state.optimizer)
         self.collector.load_state_dict(state.collector)
         self.metrics.load_state_dict(state.metrics)
         self.generator.set_state(state.generator)

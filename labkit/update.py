@@ -52,6 +52,27 @@ class Adam:
         """The LR as the optimizer holds it (here a float)."""
         return optimizer.param_groups[0]["lr"]
 
+    @staticmethod
+    @torch.no_grad()
+    def load_state_(optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """``optimizer.load_state_dict(state)`` that keeps every existing state tensor in
+        place (compiled code and a captured graph hold them). State the saved dict lacks (it
+        was taken before the first step) is zeroed: Adam with zero moments and a zero step
+        counter is exactly a fresh Adam."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        live = {p: dict(optimizer.state[p]) for p in params if p in optimizer.state}
+        optimizer.load_state_dict(state)  # torch's casts and placement (a CPU step counter)
+        for p, old in live.items():
+            new = optimizer.state[p]
+            for key, tensor in old.items():
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                if key in new:
+                    tensor.copy_(new[key])
+                else:
+                    tensor.zero_()
+                new[key] = tensor
+
 
 @dataclass(frozen=True, repr=False)
 class FusedAdam(Adam):
@@ -84,6 +105,16 @@ class FusedAdam(Adam):
         kernel argument: no host-to-device copy)."""
         for group in optimizer.param_groups:
             group["lr"].fill_(lr)
+
+    @staticmethod
+    @torch.no_grad()
+    def load_state_(optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """:meth:`Adam.load_state_`, the LR tensor kept in place too, the saved LR in it."""
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        Adam.load_state_(optimizer, state)
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            lr.copy_(group["lr"])
+            group["lr"] = lr
 
 
 def build_update(*, agent: torch.nn.Module, optimizer: torch.optim.Optimizer,

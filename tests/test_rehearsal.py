@@ -250,6 +250,7 @@ class _FloatLrAdam(FusedAdam):
                                 capturable=True)
 
     set_lr = staticmethod(Adam.set_lr)  # the component owns its LR: here a float
+    load_state_ = staticmethod(Adam.load_state_)
 
 
 @pytest.mark.slow
