@@ -2,7 +2,8 @@
 
 * ``checkup``: :func:`diagnose` runs a stage (or your pipeline) a few iterations under the
   meters and reports each regression with its evidence and the chapter that fixes it;
-* ``meters``: what the doctor measures besides time (calls by site, memory, dynamo's state);
+* ``meters``: what the doctor measures besides time and ``watch``'s counts (each optimizer
+  step's kernels, host reads by site, memory, dynamo's state);
 * ``kinds``: the one vocabulary, :class:`Finding` and the kinds table every instrument reports
   with; ``findings``: how the doctor judges what it measured; ``report``: its report;
 * ``plants``: the regressions the chapters plant on purpose, each from a real report;
