@@ -127,6 +127,27 @@ def parse_json(text: str, where: str, error: type[ValueError] = ValueError) -> A
                     f"{sys.getrecursionlimit()} levels): not a file labkit wrote") from None
 
 
+def read_jsonl(path: str | os.PathLike) -> list[tuple[int, Any]]:
+    """The lines of a JSON-lines file that a run appends to, each as (its number from 1, its
+    value). A line that is not JSON raises ValueError naming the file and the line, except the
+    one a killed writer was cut off in: the last line, where no newline ends it and it is not a
+    JSON object, is left out (a record written whole ends in its newline)."""
+    text = Path(path).read_text(encoding="utf-8")
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            value = parse_json(line, f"{path} line {number}")
+        except ValueError:
+            value = None
+            if number < len(lines) or text.endswith("\n"):
+                raise
+        if number == len(lines) and not text.endswith("\n") and not isinstance(value, dict):
+            break  # the torn last line of an interrupted write
+        records.append((number, value))
+    return records
+
+
 def read_json(path: str | os.PathLike, error: type[ValueError] = ValueError) -> Any:
     """The JSON in the file ``path`` (at most :data:`JSON_MAX_BYTES`), as :func:`parse_json`."""
     size = os.stat(path).st_size

@@ -69,5 +69,5 @@ def test_recorded_gpu_names_a_file_whose_rows_are_not_rows(tmp_path):
 ])
 def test_run_curve_refuses_numbers_no_run_logs(tmp_path, record, said):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(record) + "\n")
-    with pytest.raises(ValueError, match=re.escape(f"metrics.jsonl: line 1 has {said}, outside")):
+    with pytest.raises(ValueError, match=re.escape(f"metrics.jsonl line 1 has {said}, outside")):
         plots.run_curve(tmp_path)

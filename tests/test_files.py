@@ -287,3 +287,21 @@ def test_a_lock_whose_whole_folder_was_deleted_says_so_as_a_machine_fault(tmp_pa
             lock.check()
     finally:
         lock.release()
+
+
+def test_one_jsonl_reader_leaves_out_only_the_line_a_killed_writer_was_cut_off_in(tmp_path):
+    """resume and plot-runs read metrics.jsonl through one reader with one rule: the last line,
+    unterminated and no JSON object, was being written when the run died; every other bad
+    line is damage, named with its file and number."""
+    from labkit.files import read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    whole = '{"iteration": 1}\n{"iteration": 2}\n'
+    for tail, kept in (('{"iterat', 2), ("12", 2), ('{"iteration": 3}', 3), ("", 2)):
+        path.write_text(whole + tail)
+        assert [n for n, _ in read_jsonl(path)] == list(range(1, kept + 1)), tail
+    for text, line in ((whole + '{"iterat\n', 3), ('{"iterat\n' + whole, 1),
+                       ("{}\n\n{}\n", 2)):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"metrics.jsonl line {line} is not valid JSON"):
+            read_jsonl(path)

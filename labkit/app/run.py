@@ -33,9 +33,9 @@ from ..files import (
     describe_os_error,
     is_dir,
     no_links,
-    parse_json,
     read_json,
     read_json_object,
+    read_jsonl,
     unique_folder,
     write_json,
     write_jsonl,
@@ -353,20 +353,11 @@ def _read_metrics(path: Path, keep_through: int) -> list[dict]:
     ends it): both are dropped. Any other bad line is damage, not a crash: an error."""
     if not path.exists():
         return []
-    text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
-    torn_end = not text.endswith("\n")  # a write cut short leaves its line unterminated
     kept: list[dict] = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = parse_json(line, f"{path} line {number}")
-            bad = "is not a metrics record (a JSON object with an integer iteration)"
-        except ValueError:
-            record, bad = None, "is not valid JSON (and later lines are)"
+    for number, record in read_jsonl(path):
         if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
-            if number == len(lines) and torn_end:
-                break  # the torn last line of an interrupted write
-            raise ValueError(f"{path} line {number} {bad}; repair or delete that line, then "
+            raise ValueError(f"{path} line {number} is not a metrics record (a JSON object "
+                             "with an integer iteration); repair or delete that line, then "
                              "resume")
         if record["iteration"] > keep_through:
             break

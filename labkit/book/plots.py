@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from ..files import parse_json, save_figure
+from ..files import read_jsonl, save_figure
 from . import expects
 
 
@@ -141,34 +141,26 @@ def run_curve(run_dir: str | Path) -> list[dict]:
     and the field; a torn last line (the run was killed mid-write: no newline ends it) is left
     out."""
     path = Path(run_dir) / "metrics.jsonl"
-    text = path.read_text(encoding="utf-8")
-    lines = [line for line in text.splitlines() if line.strip()]
     points = []
-    for i, line in enumerate(lines, 1):
-        try:
-            r = parse_json(line, f"{path}: line {i}")
-        except ValueError:
-            if i == len(lines) and not text.rstrip(" \t").endswith("\n"):
-                break  # the line a killed run was writing (no newline ends it)
-            raise ValueError(f"{path}: line {i} is not valid JSON") from None
+    for i, r in read_jsonl(path):  # the line a killed run was writing left out
         if not isinstance(r, dict):
-            raise ValueError(f"{path}: line {i} is not a record")
+            raise ValueError(f"{path} line {i} is not a record")
         for key in ("step", "wall_s", "mean_return"):
             value = r.get(key, "missing")
             if key == "mean_return" and value is None:
                 continue  # no episode ended in that iteration: a record with no point
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{path}: line {i} has no number {key!r} (a run of an older "
+                raise ValueError(f"{path} line {i} has no number {key!r} (a run of an older "
                                  "labkit, or another file)")
             low, high = _RUN_RANGE[key]
             if not low <= value <= high:  # inf and NaN too: a run logs non-finite as null
-                raise ValueError(f"{path}: line {i} has {key} = {value:g}, outside the "
+                raise ValueError(f"{path} line {i} has {key} = {value:g}, outside the "
                                  f"{low:g}..{high:g} a run logs (the file was edited, or is "
                                  "another's)")
         points.append({"steps": r["step"], "wall_s": r["wall_s"],
                        "mean_return": r["mean_return"], "iteration": r.get("iteration")})
     if not points:
-        raise ValueError(f"{path}: no iteration logged yet")
+        raise ValueError(f"{path} has no iteration logged yet")
     return points
 
 
