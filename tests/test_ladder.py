@@ -134,10 +134,14 @@ def test_every_row_shares_one_peak_and_each_dtype_is_measured_once(monkeypatch):
          "frac_of_peak": 0.01, "precision": "fp32", "phase_ms": {"update": 50.0}},
         {"status": "ok", "n_envs": 1024, "n_steps": 128, "flops_per_s": 2e9,
          "frac_of_peak": 0.005, "precision": "bf16", "phase_ms": {"update": 25.0}},
-        {"status": "skipped: needs CUDA"}]}
+        {"status": "skipped: needs CUDA"},
+        {"status": "ok", "flops_per_s": 1e9, "frac_of_peak": 0.02, "peak_flops": 50e9}]}
     bench.one_denominator(result)
-    fp32, bf16, skipped = result["ladder"]
+    fp32, bf16, skipped, kept = result["ladder"]
     assert (fp32["frac_of_peak"], bf16["frac_of_peak"]) == (0.01, 0.02)
+    assert fp32["peak_flops"] == bf16["peak_flops"] == 100e9
+    assert kept == {"status": "ok", "flops_per_s": 1e9, "frac_of_peak": 0.02,
+                    "peak_flops": 50e9}  # divided when measured, by the peak it keeps
     update = 1024 * 128 * 4 * bench.flops_per_sample(7, "conv")["train"]  # 282.8 GFLOP
     assert bf16["update_flops_per_s"] == pytest.approx(update / 0.025)
     assert bf16["update_frac_of_peak"] == pytest.approx(update / 0.025 / 100e9)

@@ -267,26 +267,29 @@ def shares(row: dict, peak: float) -> None:
     """``frac_of_peak`` (the iteration's model work) and ``update_frac_of_peak`` (the update's,
     over its phase) of a measured row, against ``peak``: one denominator for every row of a
     ladder, the device's matmul peak (bf16 on CUDA, fp32 on the CPU), whatever precision a
-    stage runs in."""
+    stage runs in. The row keeps the peak it was divided by (``peak_flops``)."""
+    row["peak_flops"] = peak
     row["frac_of_peak"] = row["flops_per_s"] / peak
     if row.get("update_flops_per_s") is not None:
         row["update_frac_of_peak"] = row["update_flops_per_s"] / peak
 
 
 def one_denominator(result: dict) -> None:
-    """Every measured row's shares of ``result["peak_flops"]`` (see :func:`shares`): a file
-    whose rows were divided by their own precision's peak (recorded before) or by another
-    run's is put on the one its table's notes print. A row recorded before the update's
-    FLOP/s was kept gets it from its update phase and the file's run config."""
+    """Every row recorded before rows kept the one peak they were divided by (each stage by
+    its own precision's peak, then) put on one (see :func:`shares`): its run's matmul peak
+    where the file keeps its runs (``record``), else ``result["peak_flops"]``, and its update's
+    FLOP/s from its update phase and the file's run config. Rows that keep theirs are left
+    as they were measured."""
     run = RunConfig.from_dict(result["config"]["run"]) if "config" in result else None
+    runs = result.get("runs") or {}
     for row in result.get("ladder", []) + result.get("scaling", []):
-        if row.get("status") != "ok" or row.get("flops_per_s") is None:
+        if row.get("status") != "ok" or row.get("flops_per_s") is None or "peak_flops" in row:
             continue
         update_ms = row.get("phase_ms", {}).get("update", 0.0)
         if "update_flops_per_s" not in row and run is not None and update_ms > 0:
             at = run.replace(n_envs=row["n_envs"], n_steps=row["n_steps"])
             row["update_flops_per_s"] = _update_flops(at) / (update_ms / 1e3)
-        shares(row, result["peak_flops"])
+        shares(row, runs.get(row.get("run"), {}).get("peak_flops") or result["peak_flops"])
 
 
 def _finish(t: _Timing, cfg: BenchConfig, lap_cost: float, peak: float | None) -> None:
