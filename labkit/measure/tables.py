@@ -180,7 +180,10 @@ LADDER = Table((
            _count("kernels_per_step", ".4g"), 7),
     Column("k/mb", "kernels (GPU launches and CUDA graph nodes) / minibatch step",
            _count("kernels_per_minibatch", ".4g"), 6),
-    Column("warmup s", "warmup s", lambda r: f"{r['warmup_s']:.2f}", 8),
+    # what a run spends before its first iteration: the warm-up iteration (compiles, captures)
+    # and the timing of the choices a stage that compiles where it pays makes
+    Column("set-up s", "set-up s (warm-up iteration and timed choices)",
+           lambda r: f"{r['warmup_s'] + r.get('choose_s', 0.0):.2f}", 8),
     Column("ceil sps", "ceiling steps/s", lambda r: fmt(r["ceiling_sps"]), 10),
     Column("% ceil", "% of ceiling", _pct("frac_of_ceiling"), 6),
     # every row's model work over one matmul peak, whatever precision the stage runs in
