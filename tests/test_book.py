@@ -103,7 +103,10 @@ def _expected(stem: str) -> dict:
     text output (its first non-blank line, whitespace collapsed)."""
     import nbformat
 
-    nb = nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", as_version=4)
+    from labkit.book.gpu_copies import GPU_COPIES, gpu_copy, shown
+
+    chapter = nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", as_version=4)
+    nb = shown(chapter, gpu_copy(chapter, GPU_COPIES / f"{stem}.ipynb"))  # a GPU's outputs
     code = [c for c in nb.cells if c.cell_type == "code"]
     images, lines = 0, []
     for cell in code:
@@ -215,3 +218,73 @@ def test_every_page_shows_its_notebook_to_a_reader_in_chromium(served):
                     problems.append(f"{where} no link back to the index")
         browser.close()
     assert not problems, "\n".join(problems)
+
+
+def _synthetic_gpu_book(tmp_path: Path, stale: bool = False) -> tuple[Path, str, str]:
+    """A one-chapter book of chapter 09 with a synthetic GPU copy (what ``record --device
+    cuda`` writes, its first output replaced by a marker): (the page, the marker, the CPU
+    output the marker stands in for). ``stale``: the copy's code differs by one line."""
+    import nbformat
+
+    stem = "09_cuda_graphs"
+    chapter = nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", as_version=4)
+    copy = nbformat.from_dict(json.loads(json.dumps(chapter)))
+    cell = next(c for c in copy.cells if c.cell_type == "code" and _expected_line(c))
+    cpu_line = _expected_line(cell)
+    marker = "GPU-SYNTHETIC one rollout step replayed in 315 us"
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=marker + "\n")]
+    if stale:
+        cell.source += "\n# edited after the GPU run"
+    copy.metadata["labkit"] = {"device": "cuda", "device_name": "NVIDIA H200", "git_commit":
+                               "abc1234def", "torch": "2.11.0+cu130", "date": "2026-11-26T09:03"}
+    copies = tmp_path / "chapters_cuda"
+    copies.mkdir()
+    nbformat.write(copy, copies / f"{stem}.ipynb")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"| [{stem}](notebooks/{stem}.ipynb) | What does a graph replay? |\n")
+    site.build(tmp_path / "book", readme=readme, gpu_copies=copies)
+    return tmp_path / "book" / f"{stem}.html", marker, cpu_line
+
+
+def _expected_line(cell) -> str | None:
+    for out in cell.get("outputs", []):
+        text = out.get("text")
+        if text:
+            return next((ln for ln in text.splitlines() if ln.strip()), None)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stale", [False, True], ids=["current", "stale"])
+def test_a_gpu_copy_shows_its_outputs_where_its_code_is_the_chapters(tmp_path, stale):
+    """A GPU copy whose code cells are the chapter's gives the page its outputs and its label
+    (device, torch, commit, from the copy's stamp); one whose code changed is named stale and
+    its outputs are never shown as the chapter's."""
+    import html as html_module
+
+    page, marker, cpu_line = _synthetic_gpu_book(tmp_path, stale)
+    text = html_module.unescape(page.read_text())
+    label = "NVIDIA H200 (cuda), torch 2.11.0+cu130, at commit abc1234def, 2026-11-26"
+    if stale:
+        assert marker not in text and html_module.unescape(cpu_line) in text
+        assert f"Its GPU copy ({label}) is stale" in text
+        assert "Outputs recorded on cpu" in text
+    else:
+        assert marker in text and html_module.unescape(cpu_line) not in text
+        assert f"Outputs recorded on a GPU, {label}" in text
+        assert "stale" not in text
+
+
+@pytest.mark.slow
+def test_a_gpu_copys_outputs_and_label_are_what_a_reader_sees_in_chromium(tmp_path):
+    sync_playwright = _browser_or_skip()
+    page_path, marker, _ = _synthetic_gpu_book(tmp_path)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.goto(page_path.as_uri(), wait_until="load")
+        said = page.inner_text(".book-provenance")
+        shown = page.inner_text("body")
+        browser.close()
+    assert said.startswith("Outputs recorded on a GPU, NVIDIA H200 (cuda), torch 2.11.0+cu130")
+    assert marker in shown

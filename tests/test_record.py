@@ -403,3 +403,31 @@ def test_a_print_flushed_in_two_parts_is_stored_as_one_output():
     outs = merge_streams(nb)["cells"][0]["outputs"]
     assert outs == [stream("stdout", "skipped: needs CUDA\n"), stream("stderr", "a warning\n"),
                     result, stream("stdout", "a\nb\nc\n")]
+
+
+@pytest.mark.slow
+def test_a_notebook_executed_for_a_gpu_copy_leaves_the_chapter_as_ci_compares_it(tmp_path):
+    """``record --device cuda --part notebook-NN`` writes chapter NN's GPU copy: executed in
+    the chapter's folder (its relative paths as there), written to the copy, stamped with
+    the device, its name, torch and the commit; the chapter itself is not touched."""
+    import nbformat
+
+    from labkit.app.notebooks import execute_notebook
+
+    chapters = tmp_path / "notebooks"
+    chapters.mkdir()
+    (chapters / "data.txt").write_text("read from the chapter's folder")
+    path = chapters / "07_x.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "print(open('data.txt').read())")])
+    nbformat.write(nb, path)
+    before = path.read_bytes()
+    out = execute_notebook(path, torch.device("cpu"), "abc1234",
+                           out=tmp_path / "results" / "chapters_cuda" / path.name)
+    assert path.read_bytes() == before and out.parent.name == "chapters_cuda"
+    copy = nbformat.read(out, as_version=4)
+    assert copy.cells[0].outputs[0]["text"] == "read from the chapter's folder\n"
+    stamp = copy.metadata["labkit"]
+    assert (stamp["device"], stamp["git_commit"], stamp["torch"]) == ("cpu", "abc1234",
+                                                                      torch.__version__)
+    assert stamp["device_name"]

@@ -1,5 +1,6 @@
-"""The chapters' notebooks as ``make record`` keeps them: executed in place, stamped with the
-device and commit they ran on, each widget stored as what it showed (:func:`strip_widgets`)."""
+"""The chapters' notebooks as ``make record`` keeps them: executed in place (on a GPU, into a
+copy beside the results: :mod:`labkit.book.gpu_copies`), stamped with the device, torch and
+commit they ran on, each widget stored as what it showed (:func:`strip_widgets`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,10 +11,11 @@ from ..device import run_metadata
 from ..files import atomic_write, read_json_object
 
 
-def execute_notebook(path: Path, device: torch.device, commit: str, timeout: int = 900
-                     ) -> Path:
-    """Execute ``path`` in place (outputs and widget state stored), stamped with the device
-    and commit in its metadata."""
+def execute_notebook(path: Path, device: torch.device, commit: str, timeout: int = 900,
+                     out: Path | None = None) -> Path:
+    """Execute ``path`` (in its own folder, its relative paths as they are there) and write
+    it, outputs and widget state stored, in place or to ``out``, stamped in its metadata with
+    the device, its name, torch and the commit."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -22,11 +24,14 @@ def execute_notebook(path: Path, device: torch.device, commit: str, timeout: int
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     strip_widgets(nb)
     merge_streams(nb)
-    nb.metadata["labkit"] = {"device": device.type, "git_commit": commit,
-                             "date": run_metadata(device)["date"]}
-    with atomic_write(path) as f:
+    meta = run_metadata(device)
+    nb.metadata["labkit"] = {"device": device.type, "device_name": meta["device_name"],
+                             "torch": meta["torch"], "git_commit": commit, "date": meta["date"]}
+    out = path if out is None else out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(out) as f:
         nbformat.write(nb, f)
-    return path
+    return out
 
 
 def merge_streams(nb: dict) -> dict:

@@ -15,7 +15,7 @@ part             what it measures or writes (device D, profile P)
 ``scaling-N``    every stage that scales, at N envs: rows of the same file's sweep
 ``bench_env``    env steps/s of each Forage implementation: ``bench_env_D_P.json``
 ``learning``     a training curve per stage: ``learning_D_P.json`` and ``.png``
-``notebook-NN``  chapter NN executed in place (outputs and device stored in the notebook)
+``notebook-NN``  chapter NN executed in place (on a GPU into ``chapters_cuda/NN_x.ipynb``)
 ``report``       ``RESULTS.md`` and the README's results, from the JSON
 ===============  ========================================================================
 
@@ -284,11 +284,16 @@ class _Session:
         return png
 
     def notebook(self, batch: list[Part]) -> list[Path] | None:
-        """The part's notebook executed in place; on a CPU, one whose outputs were recorded on
-        a GPU is kept as it is (None) unless ``overwrite_gpu_notebooks``."""
+        """The part's notebook executed: on a CPU in place (what nbval compares), on a GPU
+        into its GPU copy, ``chapters_cuda/`` in the output folder, which the book shows where
+        its code is the chapter's (:mod:`labkit.book.gpu_copies`). On a CPU, a chapter whose
+        outputs were recorded on a GPU is kept as it is (None) unless
+        ``overwrite_gpu_notebooks``."""
         (part,) = batch
-        if self.device.type == "cpu" and recorded_on(part.item) == "cuda" \
-                and not self.overwrite_gpu_notebooks:
+        if self.device.type == "cuda":
+            return [execute_notebook(part.item, self.device, self.commit,
+                                     out=self.out / "chapters_cuda" / part.item.name)]
+        if recorded_on(part.item) == "cuda" and not self.overwrite_gpu_notebooks:
             self.say(f"kept {part.item.name}: its outputs were recorded on a GPU")
             return None
         return [execute_notebook(part.item, self.device, self.commit)]

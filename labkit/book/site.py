@@ -4,12 +4,13 @@
 
 Nothing is executed: each page shows what its notebook stores (outputs recorded by
 ``python -m labkit record``, with the device and commit stamped in its metadata, which the
-page's provenance line shows). The tool is nbconvert's ``lab`` template, which JupyterLab
-already installs, with its script blocks emptied: the template would load require.js, MathJax,
-mermaid and the widget manager from CDNs, and the chapters need none of them (no math, no
-diagrams, widgets stored as their final text by ``record``). Its CSS uses system fonts. So a
-page fetches nothing, at build time or when read. The index is the README's chapter table;
-each page links to the previous and next chapter and back to the index.
+page's provenance line shows), or where a GPU executed the chapter's current code, what it
+showed there (:mod:`labkit.book.gpu_copies`). The tool is nbconvert's ``lab`` template, which
+JupyterLab already installs, with its script blocks emptied: the template would load
+require.js, MathJax, mermaid and the widget manager from CDNs, and the chapters need none of
+them (no math, no diagrams, widgets stored as their final text by ``record``). Its CSS uses
+system fonts. So a page fetches nothing, at build time or when read. The index is the README's
+chapter table; each page links to the previous and next chapter and back to the index.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import re
 import sys
 import time
 from pathlib import Path
+
+from .gpu_copies import GPU_COPIES, gpu_copy, provenance, shown
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -96,16 +99,6 @@ def _nav(stems: list[str], titles: dict[str, str], i: int) -> str:
     return f'<nav class="book-nav">{prev}<a href="index.html">Contents</a>{nxt}</nav>'
 
 
-def _recorded(metadata: dict) -> str:
-    """The line each page starts with: where its stored outputs were recorded."""
-    stamp = metadata.get("labkit") or {}
-    if not stamp:
-        return "Outputs as stored in the notebook (not stamped by labkit record)."
-    return (f"Outputs recorded on {stamp.get('device', '?')} by <code>python -m labkit record"
-            f"</code> at commit {html.escape(str(stamp.get('git_commit', '?'))[:10])}, "
-            f"{html.escape(str(stamp.get('date', '?'))[:10])}.")
-
-
 def _index(rows: list[tuple[str, str]], titles: dict[str, str]) -> str:
     items = "\n".join(f'<tr><td><a href="{stem}.html">{html.escape(titles[stem])}</a></td>'
                       f"<td>{_inline(question)}</td></tr>" for stem, question in rows)
@@ -133,8 +126,11 @@ its notebook stores; run a chapter yourself with <code>make lab</code>.</p>
 """
 
 
-def build(out: Path, notebooks: Path = NOTEBOOKS, readme: Path = ROOT / "README.md") -> list[Path]:
-    """Write the index and one page per chapter into ``out``; return the pages written."""
+def build(out: Path, notebooks: Path = NOTEBOOKS, readme: Path = ROOT / "README.md",
+          gpu_copies: Path = GPU_COPIES) -> list[Path]:
+    """Write the index and one page per chapter into ``out``; return the pages written. A
+    chapter with a current GPU copy in ``gpu_copies`` shows its GPU outputs
+    (:mod:`labkit.book.gpu_copies`); a stale copy is named on the page, its outputs not shown."""
     import jinja2
     import nbformat
     from nbconvert import HTMLExporter
@@ -148,10 +144,12 @@ def build(out: Path, notebooks: Path = NOTEBOOKS, readme: Path = ROOT / "README.
     titles = {stem: title(nb, stem) for stem, nb in nbs.items()}
     pages = []
     for i, stem in enumerate(stems):
-        nb = nbs[stem]
+        copy = gpu_copy(nbs[stem], gpu_copies / f"{stem}.ipynb")
+        nb = shown(nbs[stem], copy)
         nb.metadata["title"] = f"{titles[stem]} · labkit"
         body, _ = exporter.from_notebook_node(nb, resources={"book": {
-            "css": _CSS, "nav": _nav(stems, titles, i), "provenance": _recorded(nb.metadata)}})
+            "css": _CSS, "nav": _nav(stems, titles, i),
+            "provenance": provenance(nbs[stem], copy)}})
         # links between chapters point at their pages
         body = re.sub(r'href="(?:\./)?(\d\d_\w+)\.ipynb', r'href="\1.html', body)
         page = out / f"{stem}.html"
