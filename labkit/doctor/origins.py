@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..measure.hostflow import name_device, names_cpu, source_tree
+from ..measure.hostflow import call_device, source_tree
 
 #: torch's calls that make a tensor from nothing or from Python data.
 _MAKERS = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn",
@@ -59,8 +59,7 @@ def _dict_on_host(value: dict, scope: tuple, name: str) -> list[tuple[torch.Tens
     found = []
     for key, made in zip(node.value.keys, node.value.values):
         held = value.get(key.value) if isinstance(key, ast.Constant) else None
-        if isinstance(held, torch.Tensor) and _host_constructor(
-                made, lambda var: name_device(path, first, var) == "cpu"):
+        if isinstance(held, torch.Tensor) and _host_constructor(made, path, first):
             found.append((held, f"{short_path(path)}:{made.lineno} ({name}[{key.value!r}])"))
     return found
 
@@ -77,7 +76,7 @@ def _lr_on_host(optimizer: torch.optim.Optimizer, scope: tuple, name: str
     node, path, first = assigned
     given = next((k.value for k in call.keywords if k.arg == "lr"),
                  call.args[1] if len(call.args) > 1 else None)
-    if _host_constructor(given, lambda var: name_device(path, first, var) == "cpu"):
+    if _host_constructor(given, path, first):
         from ..measure.syncmeter import short_path
 
         site = f"{short_path(path)}:{given.lineno} ({name}'s lr)"
@@ -181,7 +180,7 @@ def _made_on_host(scope: tuple, name: str) -> str | None:
     if found is None:
         return None
     node, path, first = found
-    if not _host_constructor(node.value, lambda var: name_device(path, first, var) == "cpu"):
+    if not _host_constructor(node.value, path, first):
         return None
     from ..measure.syncmeter import short_path
 
@@ -299,18 +298,19 @@ def _classes(node: ast.AST, prefix: str) -> Iterator[tuple[str, ast.ClassDef]]:
             yield from _classes(child, prefix)
 
 
-def _host_constructor(node: ast.expr | None, cpu_name: Callable[[str], bool]) -> bool:
-    """A call of a tensor maker that names the CPU (literally, or by a variable last assigned
-    the CPU literally: ``cpu_name``), or no device and no tensor to take one from."""
+def _host_constructor(node: ast.expr | None, path: str, first: int) -> bool:
+    """A call of a tensor maker (in the function starting at line ``first`` of ``path``) that
+    names the CPU (:func:`labkit.measure.hostflow.call_device`), or no device and no tensor to
+    take one from."""
     if not isinstance(node, ast.Call):
         return False
     name = node.func.attr if isinstance(node.func, ast.Attribute) else \
         getattr(node.func, "id", None)
     if name not in _MAKERS:
         return False
-    device = next((k.value for k in node.keywords if k.arg == "device"), None)
-    if device is not None:
-        return names_cpu(device) or (isinstance(device, ast.Name) and cpu_name(device.id))
+    said = call_device(node, path, first)
+    if said != "none":
+        return said == "cpu"
     if name.endswith("_like"):
         return False  # on its input's device
     if name in ("tensor", "as_tensor"):  # from data, which could be a tensor on a device

@@ -81,8 +81,12 @@ def _call_device(filename: str, span: tuple) -> str:
         node = ast.parse(text.strip(), mode="eval").body
     except SyntaxError:
         return "unknown"
-    if not isinstance(node, ast.Call):
-        return "unknown"
+    return _said(node) if isinstance(node, ast.Call) else "unknown"
+
+
+def _said(node: ast.Call) -> str:
+    """What the call ``node`` names as its device: "none", "cpu" (literally), "other", or
+    "name:<variable>" (what the variable was assigned decides: :func:`call_device`)."""
     device = next((k.value for k in node.keywords if k.arg == "device"), None)
     if device is None and isinstance(node.func, ast.Attribute) and node.func.attr == "to" \
             and node.args:
@@ -90,8 +94,19 @@ def _call_device(filename: str, span: tuple) -> str:
     if device is None:
         return "none"
     if isinstance(device, ast.Name):
-        return f"name:{device.id}"  # what the name was assigned decides (frame_call_device)
+        return f"name:{device.id}"
     return "cpu" if names_cpu(device) else "other"
+
+
+def call_device(node: ast.Call, filename: str, first_line: int) -> str:
+    """The one rule for what a call in source says of its device, for every instrument that
+    asks (the meters by the frame that runs it, the rehearsal by the line that made a step's
+    tensor): "none" (no device named), "cpu" (the CPU named literally, or by a variable last
+    assigned the CPU literally, in the function starting at ``first_line`` of ``filename`` or
+    at the module's top level: ``HOST = torch.device("cpu")``) or "other" (another device,
+    ``device = "cuda" if ... else "cpu"``, a parameter)."""
+    said = _said(node)
+    return name_device(filename, first_line, said[5:]) if said.startswith("name:") else said
 
 
 def frame_call_device(frame) -> str:
@@ -104,7 +119,7 @@ def frame_call_device(frame) -> str:
     if index >= len(positions):
         return "unknown"
     said = _call_device(frame.f_code.co_filename, positions[index])
-    if not said.startswith("name:"):
+    if not said.startswith("name:"):  # the parse is cached by line; a name, by its function
         return said
     return name_device(frame.f_code.co_filename, frame.f_code.co_firstlineno, said[5:])
 
