@@ -141,6 +141,22 @@ def listening(count: Any) -> Iterator[None]:
         listeners.remove(count)
 
 
+class _Uncounted:
+    counts = None
+
+
+@contextlib.contextmanager
+def _counted() -> Iterator[Any]:
+    """The harness's count of the kernels a capture records (:func:`counting_nodes`), as a
+    Counter in ``counts`` once the block ends; ``counts`` None where none counts."""
+    counter = _node_counter.get()
+    if counter is None:
+        yield _Uncounted()
+        return
+    with counter() as count:
+        yield count
+
+
 def replaying() -> bool:
     """Whether a captured step's replay runs in this thread now."""
     return getattr(_replays, "on", False)
@@ -182,9 +198,7 @@ class CapturedStep:
         self.step, self.state, self.generator = step, state, generator
         self.after_replay = after_replay
         self.graph: torch.cuda.CUDAGraph | None = None
-        #: The kernels the graph holds, by op, where a harness counted them at capture
-        #: (:func:`counting_nodes`); None otherwise.
-        self.nodes: Counter | None = None
+        self.nodes: Counter | None = None  # its kernels, where counted (counting_nodes)
 
     def _capture(self, args: tuple) -> None:
         self.static = clone_state(args)
@@ -194,13 +208,10 @@ class CapturedStep:
         graph = torch.cuda.CUDAGraph()
         if self.generator is not None:
             graph.register_generator_state(self.generator)
-        counter = _node_counter.get()
         # thread_local: the async logger's writer thread may touch CUDA during the capture.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"), \
-                (counter() if counter is not None else contextlib.nullcontext()) as nodes:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"), _counted() as nodes:
             self.out = self.step(*self.static)
-        self.nodes = Counter(nodes.counts) if nodes is not None else None
-        self.graph = graph
+        self.nodes, self.graph = nodes.counts, graph
 
     def __call__(self, *args: Any) -> Any:
         if self.graph is None:
