@@ -206,7 +206,7 @@ class BenchConfig:
     def to_dict(self) -> dict:
         return {"run": self.run.to_dict(), "iterations": self.iterations,
                 "scaling_n_envs": list(self.scaling_n_envs),
-                "stage_timeout_s": self.stage_timeout_s}
+                "stage_timeout_s": self.stage_timeout_s, "loop_steps_bound": self.loop_steps_bound}
 
 
 def memory_estimate(run: RunConfig) -> int:

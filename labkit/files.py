@@ -127,25 +127,28 @@ def parse_json(text: str, where: str, error: type[ValueError] = ValueError) -> A
                     f"{sys.getrecursionlimit()} levels): not a file labkit wrote") from None
 
 
-def read_jsonl(path: str | os.PathLike) -> list[tuple[int, Any]]:
+def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     """The lines of a JSON-lines file that a run appends to, each as (its number from 1, its
-    value). A line that is not JSON raises ValueError naming the file and the line, except the
-    one a killed writer was cut off in: the last line, where no newline ends it and it is not a
-    JSON object, is left out (a record written whole ends in its newline)."""
+    value), parsed as they are asked for (a reader that stops early reads no further); blank
+    lines are passed over. A line that is not JSON raises ValueError naming the file and the
+    line, except the one a killed writer was cut off in: the last line, where no newline ends
+    it and it is not a JSON object, is left out (a record written whole ends in its newline)."""
     text = Path(path).read_text(encoding="utf-8")
     lines = text.splitlines()
-    records = []
+    torn_end = not text.endswith("\n")
     for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        last = number == len(lines) and torn_end
         try:
             value = parse_json(line, f"{path} line {number}")
         except ValueError:
-            value = None
-            if number < len(lines) or text.endswith("\n"):
+            if not last:
                 raise
-        if number == len(lines) and not text.endswith("\n") and not isinstance(value, dict):
-            break  # the torn last line of an interrupted write
-        records.append((number, value))
-    return records
+            return  # the torn last line of an interrupted write
+        if last and not isinstance(value, dict):
+            return
+        yield number, value
 
 
 def read_json(path: str | os.PathLike, error: type[ValueError] = ValueError) -> Any:

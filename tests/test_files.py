@@ -300,8 +300,24 @@ def test_one_jsonl_reader_leaves_out_only_the_line_a_killed_writer_was_cut_off_i
     for tail, kept in (('{"iterat', 2), ("12", 2), ('{"iteration": 3}', 3), ("", 2)):
         path.write_text(whole + tail)
         assert [n for n, _ in read_jsonl(path)] == list(range(1, kept + 1)), tail
-    for text, line in ((whole + '{"iterat\n', 3), ('{"iterat\n' + whole, 1),
-                       ("{}\n\n{}\n", 2)):
+    for text, line in ((whole + '{"iterat\n', 3), ('{"iterat\n' + whole, 1)):
         path.write_text(text)
         with pytest.raises(ValueError, match=f"metrics.jsonl line {line} is not valid JSON"):
-            read_jsonl(path)
+            list(read_jsonl(path))
+    path.write_text('{"iteration": 1}\n\n{"iteration": 2}\n' + '{"iterat\n')
+    records = read_jsonl(path)  # read as asked: a reader that stops early never meets line 4
+    assert [next(records)[0], next(records)[0]] == [1, 3]
+
+
+def test_resume_reads_the_metrics_it_keeps_and_no_further(tmp_path):
+    """A resume keeps iterations 1..k of the checkpoint: lines past those run again, so damage
+    there is never read (the reader stops at the first record past k); damage within them is
+    refused with what to do."""
+    from labkit.app.run import _read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"iteration": 1}\n{"iteration": 2}\n{"itera\n{"iteration": 4}\n')
+    assert [r["iteration"] for r in _read_metrics(path, 1)] == [1]
+    with pytest.raises(ValueError, match="line 3 is not valid JSON .*repair or delete that "
+                                         "line, then resume"):
+        _read_metrics(path, 3)

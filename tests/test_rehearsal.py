@@ -506,3 +506,35 @@ def test_the_kernel_sync_table_was_read_from_the_installed_torch():
     assert torch.__version__.split("+")[0] == kernel_syncs.READ_FROM, (
         f"torch {torch.__version__} is installed; labkit/doctor/kernel_syncs.py was read from "
         f"{kernel_syncs.READ_FROM}: read its ops again")
+
+
+def test_a_default_device_takes_the_factories_that_name_none():
+    """``torch.set_default_device(device)`` (torch's documented way to move factories that
+    name no device; a portable script names "cuda" where there is one) makes ``torch.zeros(4)``
+    a device tensor on a GPU: the rehearsal called it a host tensor mixed with device ones
+    (host_mix) and a counter made that way a CPU counter frozen at capture (host_op). Without
+    a default device both stay flagged, and a copy of NumPy data stays one either way."""
+    import numpy as np
+
+    from labkit import rehearse
+
+    def make():
+        counter = torch.zeros(())
+
+        def step(x):
+            counter.add_(1)
+            bonus = torch.zeros(4)
+            return x * counter + bonus
+
+        return step
+
+    def from_numpy(x):
+        return x + torch.from_numpy(np.ones(4, dtype=np.float32))
+
+    assert {p.kind for p in rehearse(make(), torch.ones(4)).problems} == {"host_mix", "host_op"}
+    torch.set_default_device("cpu")  # the device, as `device` is on a machine without CUDA
+    try:
+        assert rehearse(make(), torch.ones(4)).ok
+        assert [p.kind for p in rehearse(from_numpy, torch.ones(4)).problems] == ["host_tensor"]
+    finally:
+        torch.set_default_device(None)

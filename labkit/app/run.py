@@ -354,7 +354,14 @@ def _read_metrics(path: Path, keep_through: int) -> list[dict]:
     if not path.exists():
         return []
     kept: list[dict] = []
-    for number, record in read_jsonl(path):
+    records = read_jsonl(path)
+    while True:
+        try:
+            number, record = next(records)
+        except StopIteration:
+            break
+        except ValueError as err:  # not JSON: damage, not a crash
+            raise ValueError(f"{err}; repair or delete that line, then resume") from None
         if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
             raise ValueError(f"{path} line {number} is not a metrics record (a JSON object "
                              "with an integer iteration); repair or delete that line, then "

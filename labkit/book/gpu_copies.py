@@ -97,6 +97,8 @@ def provenance(chapter: dict, copy: GpuCopy | None) -> str:
                 f"{html.escape(str(stamp.get('git_commit', '?'))[:10])}, "
                 f"{html.escape(str(stamp.get('date', '?'))[:10])}.")
     if copy is not None and not copy.current:
-        line += (f" Its GPU copy ({html.escape(copy.label())}) is stale: the chapter's code "
-                 "changed since, so its outputs are not shown.")
+        why = ("the chapter's code changed since" if copy.stamp.get("device") == "cuda"
+               else "it is not stamped as a GPU's run")
+        line += (f" Its GPU copy ({html.escape(copy.label())}) is stale: {why}, so its "
+                 "outputs are not shown.")
     return line

@@ -102,9 +102,11 @@ _LIFTS = {"lift_fresh", "lift", "lift_fresh_copy"}
 
 
 def _data(value: Any) -> Any:
-    """A fresh tensor of Python data, by its values (read without an op: no dispatch)."""
+    """A fresh tensor of Python data, by its values (read without an op, and with no torch
+    function mode told: the rehearsal's own look at the data is no read of the step's)."""
     if isinstance(value, torch.Tensor) and value.layout == torch.strided:
-        return ("data", value.dtype, torch._C.TensorBase.tolist(value))
+        with torch._C.DisableTorchFunction():
+            return ("data", value.dtype, torch._C.TensorBase.tolist(value))
     return value
 
 

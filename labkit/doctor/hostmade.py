@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..measure.hostflow import frame_call_device
+from ..measure.hostflow import frame_call_device, unnamed_is_host
 from ..measure.syncmeter import call_site, parse_site, source_line, stands_in, target_device
 from .kernel_syncs import checks_on_cpu_only
 from .kinds import CAUSES, KINDS
@@ -59,7 +59,8 @@ def made_on_host(func: Any, args: tuple, kwargs: dict, caller: Any) -> tuple[boo
     would be a host tensor): a constructor or ``*_like`` given ``device=`` the CPU named in
     the code (``caller``'s source says so), or given no device and no tensor to take one from
     (``sparse_coo_tensor(i, v)`` and ``empty_like(x)`` take their inputs' device,
-    ``x.new_tensor`` x's)."""
+    ``x.new_tensor`` x's), where no default device takes it
+    (:func:`labkit.measure.hostflow.unnamed_is_host`)."""
     fname = getattr(func, "__name__", "")
     made = func in _CONSTRUCTORS or fname in _FROM_DATA or (
         fname.endswith("_like") and kwargs.get("device") is not None)
@@ -67,6 +68,8 @@ def made_on_host(func: Any, args: tuple, kwargs: dict, caller: Any) -> tuple[boo
         return False, False
     if kwargs.get("device") is not None:
         return True, frame_call_device(caller) == "cpu"
+    if func in _CONSTRUCTORS and not unnamed_is_host():  # a default device takes it
+        return True, False
     return True, not fname.startswith("new_") and not any(
         isinstance(a, torch.Tensor) for a in args)
 

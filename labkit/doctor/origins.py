@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..measure.hostflow import call_device, source_tree
+from ..measure.hostflow import call_device, source_tree, unnamed_is_host
 
 #: torch's calls that make a tensor from nothing or from Python data.
 _MAKERS = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn",
@@ -313,6 +313,8 @@ def _host_constructor(node: ast.expr | None, path: str, first: int) -> bool:
         return said == "cpu"
     if name.endswith("_like"):
         return False  # on its input's device
+    if not unnamed_is_host():  # a default device is in force: it takes the tensor
+        return False
     if name in ("tensor", "as_tensor"):  # from data, which could be a tensor on a device
         return all(isinstance(a, (ast.Constant, ast.Tuple, ast.List, ast.UnaryOp, ast.BinOp))
                    for a in node.args[:1])

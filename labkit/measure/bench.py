@@ -280,7 +280,10 @@ def one_denominator(result: dict) -> None:
     where the file keeps its runs (``record``), else ``result["peak_flops"]``, and its update's
     FLOP/s from its update phase and the file's run config. Rows that keep theirs are left
     as they were measured."""
-    run = RunConfig.from_dict(result["config"]["run"]) if "config" in result else None
+    try:
+        run = RunConfig.from_dict(result["config"]["run"])
+    except (KeyError, TypeError, ValueError):  # no config, or one an older labkit wrote
+        run = None
     runs = result.get("runs") or {}
     for row in result.get("ladder", []) + result.get("scaling", []):
         if row.get("status") != "ok" or row.get("flops_per_s") is None or "peak_flops" in row:
@@ -487,9 +490,9 @@ def ladder_plan(cfg: BenchConfig, device: torch.device, stages: list | None = No
 
 def calibrate(device: torch.device, stages: list) -> dict:
     """What every row of a run is measured against: a large matmul's FLOP/s (bf16 on CUDA,
-    fp32 on the CPU; every row's share of peak divides by it), the same per precision that
-    ``stages`` run in here (each dtype measured once: the peak's own is the peak), and the
-    cost of one phase mark."""
+    fp32 on the CPU; every row's share of peak divides by it), for reference the same in each
+    precision that ``stages`` run in here (each dtype measured once: the peak's own is the
+    peak), and the cost of one phase mark."""
     stages = [get_stage(s) for s in stages]
     precisions = {s.precision(device).name for s in stages if not s.skip_reason(device)}
     top = matmul_peak_flops(device)

@@ -176,10 +176,18 @@ def _caller_device() -> str:
     return "unknown" if frame is None else frame_call_device(frame)
 
 
-def _default_device_set() -> bool:
-    """``torch.set_default_device`` is in force: factories that name no device use it."""
+def unnamed_is_host() -> bool:
+    """The one rule for a tensor factory that names no device: on a GPU it makes a host
+    tensor, unless a default device is in force, ``torch.set_default_device(device)`` or
+    ``with torch.device(device):`` (torch's documented ways to move such factories to the
+    device; on the CPU that stands in for the GPU, the device a portable script names)."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
     context = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
-    return getattr(context, "device_context", None) is not None
+    if getattr(context, "device_context", None) is not None:
+        return False
+    return not any(isinstance(m, DeviceContext) for m in _get_current_function_mode_stack())
 
 
 def _tensors(values, out: list) -> list:
@@ -278,7 +286,7 @@ class HostFlow(TorchDispatchMode):
         the cautious side), or a default device is set and it names none."""
         said = _caller_device()
         if said == "none":
-            return not _default_device_set()
+            return unnamed_is_host()
         return said == "cpu"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
