@@ -18,6 +18,7 @@ Files in ``OUT``: ``config.json``, ``metrics.jsonl`` (one line per iteration),
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -347,6 +348,13 @@ def _check_choices(saved: dict, cfg: TrainConfig, ckpt_path: Path) -> None:
             f"of stage {stage.name} has no conv body")
 
 
+def _records(path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        yield from read_jsonl(path)
+    except ValueError as err:  # a line that is not JSON: damage, not a crash
+        raise ValueError(f"{err}; repair or delete that line, then resume") from None
+
+
 def _read_metrics(path: Path, keep_through: int) -> list[dict]:
     """The records of iterations 1..``keep_through`` in ``path``. A crash after a checkpoint
     may have logged later iterations (they will run again) or half a last line (no newline
@@ -354,14 +362,7 @@ def _read_metrics(path: Path, keep_through: int) -> list[dict]:
     if not path.exists():
         return []
     kept: list[dict] = []
-    records = read_jsonl(path)
-    while True:
-        try:
-            number, record = next(records)
-        except StopIteration:
-            break
-        except ValueError as err:  # not JSON: damage, not a crash
-            raise ValueError(f"{err}; repair or delete that line, then resume") from None
+    for number, record in _records(path):
         if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
             raise ValueError(f"{path} line {number} is not a metrics record (a JSON object "
                              "with an integer iteration); repair or delete that line, then "
